@@ -1,0 +1,1 @@
+"""CLI subcommands: ``add_arguments(parser)`` + ``run(args)``; heavy imports inside ``run``."""

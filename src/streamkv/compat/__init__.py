@@ -1,0 +1,1 @@
+"""Drop-in adapters for other projects' cache interfaces (none imports its peer)."""

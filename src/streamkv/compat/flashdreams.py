@@ -1,0 +1,138 @@
+"""``CircularBlockKVCache``: a drop-in for flashdreams 0.1.0's ``BlockKVCache``, on the ring.
+
+Same constructor (``k_shape, v_shape, seq_dim, chunk_size, window_size, sink_size,
+device, dtype``), methods and properties (``before_update``, ``update``,
+``cached_k``, ``cached_v``, ``after_update``, ``reset``, ``is_steady_state``,
+``size``, ``write_end``, ``from_tensor``). Differences, all deliberate:
+
+- ``cached_k()`` / ``cached_v()`` return the *physical* buffer (the valid prefix
+  while filling): rows are not in position order once the ring has wrapped. That is
+  exact for unmasked attention with RoPE applied before the cache write (the Wan
+  recipe's default), and wrong for cache-relative RoPE or masks: use the original
+  ``BlockKVCache`` there.
+- ``write_end`` locates the chunk in a chronological layout. It is returned while
+  the two layouts coincide (before the first eviction) and raises ``RuntimeError``
+  afterwards, rather than name slots the chunk does not occupy.
+- Misuse raises ``ValueError`` / ``TypeError`` / ``RuntimeError`` (not
+  ``AssertionError``) and leaves the cache unchanged.
+- ``(sink_size + window_size) % chunk_size`` need not be 0.
+
+This module does not import flashdreams.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..caches.ring import RingCache
+
+__all__ = ["CircularBlockKVCache"]
+
+
+class CircularBlockKVCache:
+    """flashdreams ``BlockKVCache`` interface over a :class:`~streamkv.RingCache`."""
+
+    def __init__(
+        self,
+        k_shape: tuple[int, ...],
+        v_shape: tuple[int, ...],
+        seq_dim: int,
+        chunk_size: int,
+        window_size: int,
+        sink_size: int = 0,
+        device: torch.device | str = torch.device("cuda"),
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        self._ring = RingCache(
+            tuple(k_shape), tuple(v_shape), seq_dim=seq_dim, sink=sink_size,
+            window=window_size, chunk=chunk_size, dtype=dtype, device=device,
+        )
+        self.k_shape = tuple(k_shape)
+        self.v_shape = tuple(v_shape)
+        self.seq_dim = self._ring.seq_dim
+        self.chunk_size = chunk_size
+        self.window_size = window_size
+        self.sink_size = sink_size
+        self.device = self._ring.device
+        self.dtype = dtype
+        self._reopened = False  # the open chunk is a repeat of the committed one
+
+    @classmethod
+    def from_tensor(cls, k: Tensor, v: Tensor, seq_dim: int) -> CircularBlockKVCache:
+        """A single-chunk cache holding ``k`` / ``v``, left open on chunk 0 (as flashdreams does)."""
+        n = k.shape[seq_dim]
+        cache = cls(k.shape, v.shape, seq_dim, chunk_size=n, window_size=n, device=k.device, dtype=k.dtype)
+        cache.before_update(0)
+        cache.update(k, v)
+        cache.after_update(0)
+        cache.before_update(0)
+        return cache
+
+    @property
+    def ring(self) -> RingCache:
+        """The underlying ring cache."""
+        return self._ring
+
+    # --------------------------------------------------------- lifecycle
+    def before_update(self, chunk_idx: int) -> None:
+        """Reserve the chunk's slots: ``chunk_idx`` is the next chunk or the last one again."""
+        advance = self._ring.check_begin(chunk_idx)
+        self._ring.begin_chunk(chunk_idx)
+        self._reopened = not advance
+
+    def update(self, k: Tensor, v: Tensor) -> None:
+        """Write the chunk's K/V into its slots (any number of times per chunk)."""
+        self._ring.write(k, v)
+
+    def after_update(self, chunk_idx: int) -> None:
+        """Commit the chunk."""
+        self._ring.commit_chunk(chunk_idx)
+
+    def reset(self) -> None:
+        self._ring.reset()
+
+    # ----------------------------------------------------------- reading
+    def cached_k(self) -> Tensor:
+        """Keys of the occupied slots in physical order (valid prefix while filling)."""
+        return self._ring.valid_keys()
+
+    def cached_v(self) -> Tensor:
+        """Values of the occupied slots in physical order (valid prefix while filling)."""
+        return self._ring.valid_values()
+
+    @property
+    def size(self) -> int:
+        """Occupied slots visible to attention."""
+        return self._ring.num_valid
+
+    @property
+    def write_end(self) -> int:
+        """Right edge of the open chunk in the chronological layout (see module notes)."""
+        chunk = self._require_open("write_end")
+        if self._ring.end > self._ring.layout.capacity:
+            slots = self._ring.write_slots.tolist()
+            raise RuntimeError(
+                f"write_end is undefined on the ring after the first eviction: chunk {chunk} "
+                f"occupies slots {slots}, not [size - chunk_size, size). Cache-relative RoPE "
+                f"needs the chronological BlockKVCache."
+            )
+        return self.size
+
+    def is_steady_state(self) -> bool:
+        """True when the open chunk is written into a full cache (it evicts or evicted)."""
+        chunk = self._require_open("is_steady_state()")
+        L = self._ring.layout
+        committed_end = self._ring.end if self._reopened else L.chunk_start(chunk)
+        is_full = L.num_valid(committed_end) == L.capacity
+        overlaps_sink = L.sink > 0 and L.chunk_start(chunk) < L.sink
+        return is_full and not overlaps_sink
+
+    def _require_open(self, what: str) -> int:
+        chunk = self._ring.open_chunk
+        if chunk is None:
+            raise RuntimeError(f"{what} needs an open chunk: call before_update(chunk_idx) first")
+        return chunk
+
+    def __repr__(self) -> str:
+        return f"CircularBlockKVCache({self._ring!r})"
