@@ -55,6 +55,7 @@ class RingCache(KVCache):
         self._chunk_pos = torch.zeros(c, dtype=torch.long, device=dev)
         self._slots = torch.arange(c, dtype=torch.long, device=dev)
         self._scratch = torch.zeros(c, dtype=torch.long, device=dev)
+        self._sink = torch.tensor(self.layout.sink, dtype=torch.long, device=dev)
 
     @property
     def write_slots(self) -> Tensor:
@@ -68,15 +69,14 @@ class RingCache(KVCache):
         self._slot_pos.index_copy_(0, self._slots, self._chunk_pos)
 
     def _plan(self, chunk_idx: int) -> None:
-        """Compute the chunk's positions and slots on the device, allocation-free:
-        ``slot = min(p, sink) + max(p - sink, 0) % window``."""
+        """Compute the chunk's positions and slots on the device, in place and
+        allocation-free (Python scalars are passed only to ops that take them
+        unwrapped): ``slot = min(p, sink) + (max(p, sink) - sink) % window``."""
         s, w = self.layout.sink, self.layout.window
         pos, slots = self._chunk_pos, self._slots
-        torch.add(self._arange, self.layout.chunk_start(chunk_idx), out=pos)
-        torch.sub(pos, s, out=slots)
-        slots.clamp_(min=0).remainder_(w)
-        torch.clamp(pos, max=s, out=self._scratch)
-        slots.add_(self._scratch)
+        pos.fill_(self.layout.chunk_start(chunk_idx)).add_(self._arange)
+        slots.copy_(pos).clamp_(min=s).sub_(self._sink).remainder_(w)
+        slots.add_(self._scratch.copy_(pos).clamp_(max=s))
 
     def _write(self, layer: int, k: Tensor, v: Tensor) -> None:
         self._k[layer].index_copy_(self.seq_dim, self._slots, k)
