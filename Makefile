@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/streamkv demo --out $(OUT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .hypothesis
