@@ -87,6 +87,9 @@ class KVCache(abc.ABC):
     physical_order_valid: ClassVar[bool] = False
     #: The occupied slots are always ``[0, num_valid)``.
     valid_is_prefix: ClassVar[bool] = True
+    #: ``write`` reads its destination only from device tensors, so one captured CUDA
+    #: graph stays correct for every chunk (not only in the steady state).
+    graph_safe_writes: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ class RingCache(KVCache):
 
     physical_order_valid = True
     valid_is_prefix = True
+    graph_safe_writes = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,295 @@
+"""``CausalVideoDiT``: a small causal Wan-2.1-style DiT whose self-attention runs on a cache.
+
+Per chunk of latent frames ``[B, in_channels, F, latent_h, latent_w]``::
+
+    patch embed (1 x p x p)  ->  tokens x [B, L, dim]      L = F * grid_h * grid_w
+    timestep t -> sinusoid -> MLP -> e [B, dim] -> 6 x dim modulation per block
+    per block:
+        x += gate1 * SelfAttn(LN(x) * (1 + scale1) + shift1)   q/k RMSNorm, 3D RoPE,
+                                                               K/V written to the cache,
+                                                               attention over the cache
+        x += CrossAttn(LN(x), text K/V cached once per prompt)
+        x += gate2 * FFN(LN(x) * (1 + scale2) + shift2)
+    head: LN(x) * (1 + scale) + shift -> linear -> unpatchify -> flow [B, C, F, H, W]
+
+Self-attention within the chunk is bidirectional; the chunk sees the cached sinks and
+window (the chunk itself included, as in Self-Forcing). With ``rope="absolute"`` (the
+Wan recipe) keys are rotated at their stream positions before the write, so attention
+may read the cache in physical order. ``rope="cache_relative"`` stores keys unrotated
+and rotates them at read time by their index in the chronological view; that path
+must gather.
+
+Weights are random (seeded); nothing is downloaded. The text encoder is replaced by a
+seeded embedding of the prompt string (:meth:`CausalVideoDiT.encode_prompt`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import Occupancy, Order, attend
+from ..caches.base import KVCache
+from ..rope import Rope3D
+from .config import DiTConfig
+
+__all__ = ["CausalVideoDiT", "CrossKV"]
+
+RopeMode = Literal["absolute", "cache_relative"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@dataclass
+class CrossKV:
+    """Text cross-attention K/V of every layer for one prompt: ``[B, text_len, H, D]`` each."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        d, eps = cfg.dim, cfg.eps
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.norm1 = nn.LayerNorm(d, eps=eps, elementwise_affine=False)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm_q, self.norm_k = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.norm3 = nn.LayerNorm(d, eps=eps, elementwise_affine=True)
+        self.cq, self.ck, self.cv, self.co = (nn.Linear(d, d) for _ in range(4))
+        self.cnorm_q, self.cnorm_k = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.norm2 = nn.LayerNorm(d, eps=eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, d))
+        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim))
+
+    def cross_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        return self._heads(self.cnorm_k(self.ck(context))), self._heads(self.cv(context))
+
+    def forward(
+        self,
+        x: Tensor,
+        e: Tensor,
+        kv,
+        cross: tuple[Tensor, Tensor],
+        rope: tuple[Tensor, Tensor],
+        *,
+        rope_mode: RopeMode,
+        relative_rope: Callable[[int], tuple[Tensor, Tensor]] | None,
+        order: Order,
+        occupancy: Occupancy | None,
+        timer: Callable[[float], None] | None,
+    ) -> Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation + e).unbind(1)  # e: [B, 6, dim]
+        h = self.norm1(x) * (1 + scale1.unsqueeze(1)) + shift1.unsqueeze(1)
+        q = self._heads(self.norm_q(self.q(h)))
+        k = self._heads(self.norm_k(self.k(h)))
+        v = self._heads(self.v(h))
+        cos, sin = rope
+        if rope_mode == "absolute":
+            q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
+            _timed_write(kv, k, v, timer)
+            attn, _ = attend(q, kv, order=order, occupancy=occupancy)
+        else:
+            _timed_write(kv, k, v, timer)
+            cache = kv.cache
+            n, c = cache.num_valid, cache.layout.chunk
+            rel_cos, rel_sin = relative_rope(n)  # tables for relative positions 0..n-1
+            q = Rope3D.rotate(q, rel_cos[n - c :].unsqueeze(1), rel_sin[n - c :].unsqueeze(1))
+            attn, _ = attend(
+                q, kv, order=order, rope="cache_relative",
+                key_transform=lambda kc: Rope3D.rotate(kc, rel_cos, rel_sin),
+            )
+        x = x + gate1.unsqueeze(1) * self.o(attn.flatten(-2))
+        cq = self._heads(self.cnorm_q(self.cq(self.norm3(x))))
+        ck, cv = cross
+        ca = F.scaled_dot_product_attention(cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2))
+        x = x + self.co(ca.transpose(1, 2).flatten(-2))
+        h = self.norm2(x) * (1 + scale2.unsqueeze(1)) + shift2.unsqueeze(1)
+        return x + gate2.unsqueeze(1) * self.ffn(h)
+
+
+def _timed_write(kv, k: Tensor, v: Tensor, timer: Callable[[float], None] | None) -> None:
+    if timer is None:
+        kv.write(k, v)
+        return
+    if k.is_cuda:
+        torch.cuda.synchronize(k.device)
+    t0 = time.perf_counter()
+    kv.write(k, v)
+    if k.is_cuda:
+        torch.cuda.synchronize(k.device)
+    timer(time.perf_counter() - t0)
+
+
+def timestep_embedding(t: Tensor, dim: int) -> Tensor:
+    """Sinusoidal embedding of timesteps ``[B]`` (0..1000) -> ``[B, dim]`` float32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float().unsqueeze(-1) * freqs
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+class CausalVideoDiT(nn.Module):
+    """Causal Wan-style DiT over a streaming cache. See the module docstring.
+
+    Args:
+        cfg: the configuration (``get_config("tiny")``, ``get_config("wan2.1-1.3b")``).
+        seed: seed of the random initialisation (weights are reproducible).
+    """
+
+    def __init__(self, cfg: DiTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            d, p = cfg.dim, cfg.patch
+            self.patch_embed = nn.Linear(cfg.in_channels * p * p, d)
+            self.text_embed = nn.Sequential(nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+            self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+            self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+            self.head_norm = nn.LayerNorm(d, eps=cfg.eps, elementwise_affine=False)
+            self.head_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+            self.head = nn.Linear(d, cfg.in_channels * p * p)
+        self.rope = Rope3D(cfg.head_dim, cfg.grid_h, cfg.grid_w, max_frames=cfg.max_frames)
+
+    # ----------------------------------------------------------------- shapes
+    def latent_shape(self, batch: int) -> tuple[int, ...]:
+        """Shape of one chunk of latents: ``[B, in_channels, F, latent_h, latent_w]``."""
+        c = self.cfg
+        return (batch, c.in_channels, c.frames_per_chunk, c.latent_h, c.latent_w)
+
+    def cache_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-layer K and V buffer shapes ``[B, sink + window, H, D]`` (``seq_dim=1``)."""
+        c = self.cfg
+        shape = (batch, c.sink_tokens + c.window_tokens, c.heads, c.head_dim)
+        return shape, shape
+
+    def cache_kwargs(self, batch: int) -> dict:
+        """Keyword arguments for :class:`~streamkv.caches.CacheSet` matching this model."""
+        k_shape, v_shape = self.cache_shapes(batch)
+        c = self.cfg
+        return dict(
+            k_shape=k_shape, v_shape=v_shape, seq_dim=1, sink=c.sink_tokens, window=c.window_tokens,
+            chunk=c.chunk_tokens, num_layers=c.layers,
+        )
+
+    def check_cache(self, cache: KVCache, batch: int) -> None:
+        """Raise ``ValueError`` unless ``cache`` was built for this model and batch size."""
+        want = self.cache_kwargs(batch)
+        got = dict(
+            k_shape=cache.k_shape, v_shape=cache.v_shape, seq_dim=cache.seq_dim, sink=cache.layout.sink,
+            window=cache.layout.window, chunk=cache.layout.chunk, num_layers=cache.num_layers,
+        )
+        bad = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        if bad:
+            detail = ", ".join(f"{k}={g} (model needs {w})" for k, (g, w) in bad.items())
+            raise ValueError(f"cache was built for another model shape: {detail}")
+
+    # ----------------------------------------------------------------- prompt
+    def encode_prompt(self, prompt: str, batch: int = 1) -> Tensor:
+        """Stand-in for the text encoder: a seeded embedding ``[B, text_len, text_dim]``."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        gen = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+        emb = torch.randn(1, self.cfg.text_len, self.cfg.text_dim, generator=gen)
+        p = next(self.parameters())
+        return emb.expand(batch, -1, -1).to(device=p.device, dtype=p.dtype)
+
+    @torch.no_grad()
+    def cross_kv(self, text: Tensor) -> CrossKV:
+        """Cross-attention K/V for every layer, computed once per prompt."""
+        ctx = self.text_embed(text)
+        pairs = [blk.cross_kv(ctx) for blk in self.blocks]
+        return CrossKV([k for k, _ in pairs], [v for _, v in pairs])
+
+    # --------------------------------------------------------------- RoPE
+    def rope_tables(self, chunk_idx: int, *, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``cos``/``sin`` ``[chunk_tokens, 1, head_dim / 2]`` at the chunk's stream positions.
+
+        Raises ``ValueError`` if the chunk lies beyond the RoPE horizon.
+        """
+        c = self.cfg.chunk_tokens
+        pos = torch.arange(chunk_idx * c, (chunk_idx + 1) * c, device=device)
+        cos, sin = self.rope.cos_sin(pos, dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def relative_rope(self, *, dtype: torch.dtype, device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
+        """Tables for cache-relative RoPE: relative positions ``0..n-1``."""
+        cos, sin = self.rope.cos_sin(torch.arange(self.cfg.sink_tokens + self.cfg.window_tokens, device=device), dtype)
+        return lambda n: (cos[:n], sin[:n])
+
+    # -------------------------------------------------------------- forward
+    def patchify(self, x: Tensor) -> Tensor:
+        b, ch, f, h, w = x.shape
+        p = self.cfg.patch
+        x = x.reshape(b, ch, f, h // p, p, w // p, p).permute(0, 2, 3, 5, 1, 4, 6)
+        return x.reshape(b, f * (h // p) * (w // p), ch * p * p)
+
+    def unpatchify(self, tokens: Tensor, frames: int) -> Tensor:
+        c, p = self.cfg, self.cfg.patch
+        b = tokens.shape[0]
+        x = tokens.reshape(b, frames, c.grid_h, c.grid_w, c.in_channels, p, p).permute(0, 4, 1, 2, 5, 3, 6)
+        return x.reshape(b, c.in_channels, frames, c.latent_h, c.latent_w)
+
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor,
+        cache: KVCache,
+        cross: CrossKV,
+        rope: tuple[Tensor, Tensor],
+        *,
+        rope_mode: RopeMode = "absolute",
+        relative_rope: Callable[[int], tuple[Tensor, Tensor]] | None = None,
+        order: Order = "auto",
+        occupancy: Occupancy | None = None,
+        timer: Callable[[float], None] | None = None,
+    ) -> Tensor:
+        """Predict the flow of one chunk; writes the chunk's K/V into ``cache`` (every layer).
+
+        Args:
+            x: latents ``[B, in_channels, frames_per_chunk, latent_h, latent_w]``.
+            t: timesteps ``[B]`` (0..1000; 0 is the clean pass).
+            cache: one branch's cache (all layers), with the chunk begun.
+            cross: the prompt's cross-attention K/V (:meth:`cross_kv`).
+            rope: tables from :meth:`rope_tables` for this chunk (absolute mode).
+            rope_mode, relative_rope: see the module docstring.
+            order, occupancy: forwarded to :func:`~streamkv.attention.attend`.
+            timer: called with the seconds of every cache write (eager measurements).
+
+        Returns:
+            flow prediction, the shape of ``x``.
+        """
+        frames = x.shape[2]
+        tokens = self.patch_embed(self.patchify(x))
+        e = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(tokens.dtype))
+        e6 = self.time_proj(e).unflatten(-1, (6, self.cfg.dim))
+        for i, blk in enumerate(self.blocks):
+            tokens = blk(
+                tokens, e6, cache.layer(i), (cross.keys[i], cross.values[i]), rope,
+                rope_mode=rope_mode, relative_rope=relative_rope, order=order, occupancy=occupancy, timer=timer,
+            )
+        shift, scale = (self.head_modulation + e.unsqueeze(1)).unbind(1)
+        out = self.head(self.head_norm(tokens) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
+        return self.unpatchify(out, frames)

@@ -1,0 +1,363 @@
+"""Streaming rollout, Self-Forcing style: the chunk loop that drives a cache end to end.
+
+For each chunk ``c``::
+
+    caches.begin_chunk(c)                       host: reserve the chunk's slots
+    x = noise
+    for sigma_i in sigmas:                      e.g. timesteps 1000/750/500/250, shifted
+        flow = DiT(x, t_i)  [cond, uncond]      every step rewrites the chunk's slots
+        x0 = x - sigma_i * flow                 (flow matching: flow = noise - x0)
+        x = (1 - sigma_next) * x0 + sigma_next * fresh noise
+    DiT(x0, t=0)        [cond, uncond]          the clean pass writes the final K/V
+    caches.commit_chunk(c)                      the chunk becomes history
+
+Classifier-free guidance runs the ``uncond`` branch on its own cache (guidance 1.0
+disables it): ``flow = flow_u + g * (flow_c - flow_u)``. A new prompt resets the
+self-attention caches and recomputes the cross-attention K/V.
+
+Execution modes:
+
+``eager``
+    plain PyTorch; with ``instrument=True`` every cache call is timed.
+``compile``
+    ``torch.compile`` of the per-step network (all layers, cache writes included). The
+    step reads no changing host int: RoPE tables and the timestep are tensor inputs,
+    and the occupancy of the cache (``"mask"`` while filling, ``"all"`` when full) is
+    decided outside, so after warm-up nothing recompiles across steps, the first
+    eviction, wraps or a reset.
+``graph``
+    CUDA graphs of the per-step network, one per (branch, occupancy), cache writes
+    included; ``begin_chunk`` runs outside the capture and moves the ring's write slots
+    on the device, so replays write the new chunk. Caches whose write offset is a host
+    int (the chronological path) run eagerly until the cache is full, then replay a
+    graph captured in the steady state. CUDA only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .caches import CacheSet
+from .caches.base import KVCache
+from .models.dit import CausalVideoDiT, CrossKV
+
+__all__ = ["Schedule", "StreamingRollout", "ChunkStats"]
+
+Mode = Literal["eager", "compile", "graph"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Denoising timesteps (0..1000) and the flow-matching shift.
+
+    ``sigma = shift * s / (1 + (shift - 1) * s)`` with ``s = t / 1000``; the model is
+    given ``1000 * sigma`` as its timestep (Wan's convention).
+    """
+
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    shift: float = 5.0
+
+    def __post_init__(self) -> None:
+        ts = tuple(float(t) for t in self.timesteps)
+        if not ts or any(not 0 < t <= 1000 for t in ts):
+            raise ValueError(f"timesteps must be non-empty and in (0, 1000], got {self.timesteps}")
+        if any(a <= b for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"timesteps must decrease strictly, got {self.timesteps}")
+        if not self.shift > 0:
+            raise ValueError(f"shift must be > 0, got {self.shift}")
+        object.__setattr__(self, "timesteps", ts)
+
+    def sigmas(self) -> list[float]:
+        out = []
+        for t in self.timesteps:
+            s = t / 1000.0
+            out.append(self.shift * s / (1 + (self.shift - 1) * s))
+        return out
+
+
+@dataclass
+class ChunkStats:
+    """Measurements of one chunk (seconds)."""
+
+    chunk: int
+    latency_s: float
+    maintenance_s: float  # begin + commit + every cache write of every layer and branch
+    forwards: int  # DiT forwards (steps + clean pass) x branches
+
+
+@dataclass
+class RolloutStats:
+    chunks: list[ChunkStats] = field(default_factory=list)
+
+    def per_chunk_latency_ms(self) -> list[float]:
+        return [c.latency_s * 1e3 for c in self.chunks]
+
+    def maintenance_per_step_ms(self) -> list[float]:
+        """Cache maintenance per DiT forward (all layers), per chunk."""
+        return [c.maintenance_s * 1e3 / max(c.forwards, 1) for c in self.chunks]
+
+
+class StreamingRollout:
+    """Generate a video chunk by chunk with a causal DiT over a streaming cache.
+
+    Args:
+        model: the DiT (its configuration fixes chunk, window and sink sizes).
+        cache: a cache kind (``"ring"``, ``"chronological"``, ...) or a prebuilt
+            :class:`~streamkv.caches.CacheSet` (checked against the model's shape).
+        batch: videos generated together.
+        guidance: classifier-free guidance scale (``>= 1``; ``1`` disables ``uncond``).
+        schedule: denoising timesteps and shift.
+        mode: ``"eager"``, ``"compile"`` or ``"graph"`` (see the module docstring).
+        seed: seed of the noise generator (same seed, same noise for every cache).
+        rope_mode: ``"absolute"`` or ``"cache_relative"`` (eager only).
+        order: attention path request forwarded to :func:`~streamkv.attention.attend`.
+        instrument: time every cache call (eager; adds a device sync per call on CUDA).
+        compile_backend: backend for ``mode="compile"`` (``"inductor"``, ``"aot_eager"``,
+            or a callable such as ``torch._dynamo.testing.CompileCounter()``).
+        cache_kwargs: extra arguments of the cache class (e.g. ``tau=0.05``).
+    """
+
+    def __init__(
+        self,
+        model: CausalVideoDiT,
+        *,
+        cache: str | CacheSet = "ring",
+        batch: int = 1,
+        guidance: float = 1.0,
+        schedule: Schedule | None = None,
+        mode: Mode = "eager",
+        seed: int = 0,
+        rope_mode: Literal["absolute", "cache_relative"] = "absolute",
+        order: Literal["auto", "physical", "chronological"] = "auto",
+        instrument: bool = False,
+        compile_backend: Any = "inductor",
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, CausalVideoDiT):
+            raise TypeError(f"model must be a CausalVideoDiT, got {type(model).__name__}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 1.0:
+            raise ValueError(f"guidance must be a finite number >= 1.0, got {guidance!r}")
+        if mode not in ("eager", "compile", "graph"):
+            raise ValueError(f"mode must be 'eager', 'compile' or 'graph', got {mode!r}")
+        p = next(model.parameters())
+        if mode == "graph" and not p.is_cuda:
+            raise RuntimeError("mode='graph' captures CUDA graphs: the model must be on a CUDA device")
+        if rope_mode not in ("absolute", "cache_relative"):
+            raise ValueError(f"rope_mode must be 'absolute' or 'cache_relative', got {rope_mode!r}")
+        if rope_mode == "cache_relative" and mode != "eager":
+            raise ValueError(f"rope_mode='cache_relative' runs eagerly only, got mode={mode!r}")
+        if instrument and mode != "eager":
+            raise ValueError(f"instrument=True times cache calls eagerly, got mode={mode!r}")
+        self.model = model
+        self.batch = batch
+        self.guidance = float(guidance)
+        self.schedule = schedule or Schedule()
+        self.mode = mode
+        self.rope_mode = rope_mode
+        self.order = order
+        self.instrument = instrument
+        self.dtype, self.device = p.dtype, p.device
+        self.branches = ("cond", "uncond") if self.guidance > 1.0 else ("cond",)
+        if isinstance(cache, CacheSet):
+            missing = [b for b in self.branches if b not in cache.branches]
+            if missing:
+                raise ValueError(f"cache set lacks branches {missing} needed at guidance {self.guidance}")
+            for b in self.branches:
+                model.check_cache(cache[b], batch)
+                if cache[b].dtype != self.dtype or cache[b].device != self.device:
+                    raise ValueError(
+                        f"cache branch {b!r} is {cache[b].dtype} on {cache[b].device}; the model is "
+                        f"{self.dtype} on {self.device}"
+                    )
+            self.caches = cache
+        else:
+            self.caches = CacheSet(
+                cache, branches=self.branches, dtype=self.dtype, device=self.device,
+                **model.cache_kwargs(batch), **(cache_kwargs or {}),
+            )
+        self.seed = seed
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._cross: dict[str, CrossKV] = {}
+        self._chunk = 0
+        self._maintenance = 0.0
+        self.stats = RolloutStats()
+        self._relative_rope = (
+            model.relative_rope(dtype=self.dtype, device=self.device) if rope_mode == "cache_relative" else None
+        )
+        self._compiled: Callable | None = None
+        if mode == "compile":
+            self._compiled = torch.compile(self._network, backend=compile_backend, fullgraph=True, dynamic=False)
+        self._graphs: dict[tuple[str, str], _GraphStep] = {}
+
+    # ---------------------------------------------------------------- prompt
+    def set_prompt(self, prompt: str, negative_prompt: str | None = None) -> None:
+        """Start a new stream for ``prompt``: reset the self-attention caches, compute the
+        cross-attention K/V (of ``negative_prompt`` too when guidance > 1)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if self.guidance > 1.0 and negative_prompt is None:
+            raise ValueError(
+                f"guidance {self.guidance} > 1 needs a negative prompt (the uncond branch); pass "
+                f"negative_prompt='' for an empty one"
+            )
+        cross = {"cond": self.model.cross_kv(self.model.encode_prompt(prompt, self.batch))}
+        if self.guidance > 1.0:
+            cross["uncond"] = self.model.cross_kv(self.model.encode_prompt(negative_prompt, self.batch))
+        self._cross = cross
+        self.caches.reset(self.branches)
+        self._chunk = 0
+
+    # ----------------------------------------------------------------- chunks
+    @property
+    def chunk_idx(self) -> int:
+        """Index of the next chunk of the current stream."""
+        return self._chunk
+
+    def check_chunks(self, num_chunks: int) -> None:
+        """Raise ``ValueError`` if ``num_chunks`` more chunks would pass the RoPE horizon."""
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
+            raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
+        cfg = self.model.cfg
+        last = self._chunk + num_chunks - 1
+        if num_chunks and last >= cfg.max_chunks:
+            raise ValueError(
+                f"chunk {last} is beyond the RoPE horizon: {cfg.max_frames} frames hold {cfg.max_chunks} chunks of "
+                f"{cfg.frames_per_chunk} frames (this stream is at chunk {self._chunk}); start a new prompt"
+            )
+
+    @torch.no_grad()
+    def generate_chunk(self, noise: Tensor | None = None) -> Tensor:
+        """Denoise the next chunk and commit it; returns its clean latents
+        ``[B, in_channels, frames_per_chunk, latent_h, latent_w]``."""
+        if not self._cross:
+            raise RuntimeError("set_prompt(...) before generating")
+        self.check_chunks(1)
+        shape = self.model.latent_shape(self.batch)
+        if noise is not None:
+            if not isinstance(noise, Tensor) or tuple(noise.shape) != shape:
+                got = tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__
+                raise ValueError(f"noise must have the latent shape {shape}, got {got}")
+            noise = noise.to(device=self.device, dtype=self.dtype)
+        c = self._chunk
+        sync = self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        t_start = time.perf_counter()
+        self._maintenance = 0.0
+        self._timed(lambda: self.caches.begin_chunk(c, self.branches))
+        rope = self.model.rope_tables(c, dtype=self.dtype, device=self.device)
+        x = noise if noise is not None else self._noise(shape)
+        sigmas = self.schedule.sigmas()
+        forwards = 0
+        x0 = x
+        for i, sigma in enumerate(sigmas):
+            flow = self._flow(x, 1000.0 * sigma, rope)
+            forwards += len(self.branches)
+            x0 = x - sigma * flow
+            if i + 1 < len(sigmas):
+                nxt = sigmas[i + 1]
+                x = (1 - nxt) * x0 + nxt * self._noise(shape)
+        self._flow(x0, 0.0, rope)  # the clean pass writes the chunk's final K/V
+        forwards += len(self.branches)
+        self._timed(lambda: self.caches.commit_chunk(c, self.branches))
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.stats.chunks.append(ChunkStats(c, time.perf_counter() - t_start, self._maintenance, forwards))
+        self._chunk += 1
+        return x0
+
+    def run(self, num_chunks: int, progress: Callable[[int], None] | None = None) -> Tensor:
+        """Generate ``num_chunks`` chunks; returns ``[B, C, frames, H, W]`` latents."""
+        self.check_chunks(num_chunks)
+        out = []
+        for _ in range(num_chunks):
+            out.append(self.generate_chunk())
+            if progress is not None:
+                progress(self._chunk - 1)
+        return torch.cat(out, dim=2)
+
+    # -------------------------------------------------------------- internals
+    def _noise(self, shape: Sequence[int]) -> Tensor:
+        return torch.randn(shape, generator=self._gen, device=self.device, dtype=torch.float32).to(self.dtype)
+
+    def _timed(self, fn: Callable[[], None]) -> None:
+        if not self.instrument:
+            fn()
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._maintenance += time.perf_counter() - t0
+
+    def _add_maintenance(self, seconds: float) -> None:
+        self._maintenance += seconds
+
+    def _flow(self, x: Tensor, t: float, rope: tuple[Tensor, Tensor]) -> Tensor:
+        tt = torch.full((self.batch,), t, device=self.device, dtype=torch.float32)
+        flows = {b: self._forward(b, x, tt, rope) for b in self.branches}
+        if self.guidance == 1.0:
+            return flows["cond"]
+        return flows["uncond"] + self.guidance * (flows["cond"] - flows["uncond"])
+
+    def _network(self, x: Tensor, t: Tensor, cache: KVCache, cross: CrossKV, cos: Tensor, sin: Tensor, occupancy: str) -> Tensor:
+        return self.model(x, t, cache, cross, (cos, sin), order=self.order, occupancy=occupancy)
+
+    def _forward(self, branch: str, x: Tensor, t: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        cache, cross = self.caches[branch], self._cross[branch]
+        if self.mode == "eager":
+            return self.model(
+                x, t, cache, cross, rope, rope_mode=self.rope_mode, relative_rope=self._relative_rope,
+                order=self.order, timer=self._add_maintenance if self.instrument else None,
+            )
+        # static-shape steps: the occupancy is a host decision made here, outside the trace
+        occupancy = "all" if cache.all_valid else "mask"
+        if self.mode == "compile":
+            return self._compiled(x, t, cache, cross, rope[0], rope[1], occupancy)
+        if not cache.graph_safe_writes and occupancy != "all":
+            # the write offset is a host int that moves while filling: no graph yet
+            return self._network(x, t, cache, cross, rope[0], rope[1], occupancy)
+        key = (branch, occupancy)
+        if key not in self._graphs:
+            self._graphs[key] = _GraphStep(
+                lambda x_, t_, c_, s_: self._network(x_, t_, cache, cross, c_, s_, occupancy), (x, t, *rope)
+            )
+        return self._graphs[key](x, t, *rope)
+
+
+class _GraphStep:
+    """One CUDA graph of the per-step network: static inputs copied in, output cloned out.
+
+    Warm-up and capture run on a side stream (they write the open chunk's K/V, which every
+    replay rewrites). Replays read the cache's device metadata, so they follow
+    ``begin_chunk``.
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], example: tuple[Tensor, ...]) -> None:
+        self.static_in = tuple(t.clone() for t in example)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(*self.static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = fn(*self.static_in)
+
+    def __call__(self, *args: Tensor) -> Tensor:
+        for dst, src in zip(self.static_in, args):
+            dst.copy_(src)
+        self.graph.replay()
+        return self.static_out.clone()
