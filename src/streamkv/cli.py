@@ -16,6 +16,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "the main job: a streaming rollout comparing the caches (table + plot)"),
     "verify": ("verify", "storage experiment: caches vs a whole-history reference on a layout grid"),
+    "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
 }
 
 

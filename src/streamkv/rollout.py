@@ -155,6 +155,11 @@ class StreamingRollout:
             raise ValueError(f"rope_mode must be 'absolute' or 'cache_relative', got {rope_mode!r}")
         if rope_mode == "cache_relative" and mode != "eager":
             raise ValueError(f"rope_mode='cache_relative' runs eagerly only, got mode={mode!r}")
+        if rope_mode == "cache_relative" and order == "physical":
+            raise ValueError(
+                "order='physical' is invalid with rope_mode='cache_relative': keys are rotated by their "
+                "chronological index at read time"
+            )
         if instrument and mode != "eager":
             raise ValueError(f"instrument=True times cache calls eagerly, got mode={mode!r}")
         self.model = model
@@ -199,9 +204,10 @@ class StreamingRollout:
         self._graphs: dict[tuple[str, str], _GraphStep] = {}
 
     # ---------------------------------------------------------------- prompt
-    def set_prompt(self, prompt: str, negative_prompt: str | None = None) -> None:
+    def set_prompt(self, prompt: str, negative_prompt: str | None = None, *, seed: int | None = None) -> None:
         """Start a new stream for ``prompt``: reset the self-attention caches, compute the
-        cross-attention K/V (of ``negative_prompt`` too when guidance > 1)."""
+        cross-attention K/V (of ``negative_prompt`` too when guidance > 1). ``seed``
+        re-seeds the noise generator (otherwise its sequence continues)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if self.guidance > 1.0 and negative_prompt is None:
@@ -215,6 +221,8 @@ class StreamingRollout:
         self._cross = cross
         self.caches.reset(self.branches)
         self._chunk = 0
+        if seed is not None:
+            self._gen.manual_seed(seed)
 
     # ----------------------------------------------------------------- chunks
     @property

@@ -1,0 +1,84 @@
+"""Tables, progress bars and plots for rollout comparisons (CLI only)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from statistics import median
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+@contextmanager
+def progress_bar(console: Console) -> Iterator[Progress]:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:
+        yield progress
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def print_tables(console: Console, result) -> None:
+    cfg = result.config
+    console.print(
+        f"[bold]{cfg['name']}[/]: {cfg['layers']} layers, dim {cfg['dim']}, {cfg['heads']} heads; "
+        f"{cfg['frames_per_chunk']}-frame chunks of {cfg['frames_per_chunk'] * (cfg['latent_h'] // cfg['patch']) * (cfg['latent_w'] // cfg['patch'])} tokens, "
+        f"sink {cfg['sink_frames']} frame(s), window {cfg['window_frames']} frames; guidance {cfg['guidance']}, "
+        f"mode {cfg['mode']}, {cfg['device']}; streams of {cfg['streams']} chunks (reset between); "
+        f"first eviction at chunk {cfg['first_eviction_chunk']}, ring wraps {cfg['ring_wraps_first_stream']}x"
+    )
+    table = Table(title="per cache (medians over chunks)")
+    for col in ("cache", "chunk latency ms", "maintenance ms / forward", "maintenance share", "peak MiB", "cache MiB", "max |diff|"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    first = next(iter(result.runs))
+    for name, run in result.runs.items():
+        lat = median(run.chunk_latency_ms)
+        maint = median(run.maintenance_ms)
+        forwards = len(cfg["timesteps"]) + 1
+        branches = 2 if cfg["guidance"] > 1 else 1
+        share = maint * forwards * branches / lat if lat else float("nan")
+        diff = "reference" if name == first else f"{result.max_abs_diff[name]:.2e}"
+        table.add_row(name, f"{lat:.2f}", f"{maint:.4f}", f"{share:.2%}", _mb(run.peak_bytes), _mb(run.cache_bytes), diff)
+    console.print(table)
+    if result.max_abs_diff:
+        worst = max(result.max_abs_diff.values())
+        console.print(
+            f"output scale {result.output_scale:.3f}; max |diff| / scale = {worst / result.output_scale:.2e} "
+            f"(parity bound 1e-5)"
+        )
+
+
+def plot_runs(result, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in result.runs.items():
+        x = range(len(run.chunk_latency_ms))
+        ax1.plot(x, run.chunk_latency_ms, marker="o", label=name)
+        ax2.plot(x, [m * 1e3 for m in run.maintenance_ms], marker="o", label=name)
+    cfg = result.config
+    split = cfg["streams"][0]
+    for ax in (ax1, ax2):
+        ax.axvline(split - 0.5, color="grey", ls=":", lw=1)
+        ax.axvline(cfg["first_eviction_chunk"] - 0.5, color="red", ls="--", lw=0.8)
+        ax.set_xlabel("chunk (dotted: reset to the 2nd prompt; dashed: first eviction)")
+        ax.legend()
+    ax1.set_ylabel("chunk latency (ms)")
+    ax2.set_ylabel("cache maintenance per forward (µs)")
+    ax1.set_title("per-chunk latency")
+    ax2.set_title("cache maintenance (all layers, per DiT forward)")
+    fig.suptitle(f"{cfg['name']} streaming rollout, guidance {cfg['guidance']}, {cfg['mode']} on {cfg['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
