@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "the main job: a streaming rollout comparing the caches (table + plot)"),
     "verify": ("verify", "storage experiment: caches vs a whole-history reference on a layout grid"),
     "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
+    "pareto": ("pareto", "mass budget vs fixed window: tau bound, Pareto, sink sweep, tail, falsifiers"),
 }
 
 

@@ -222,7 +222,7 @@ def dropped_mass(p: Tensor, keep: Tensor) -> Tensor:
     return (p * ~keep).sum(-1)
 
 
-def weighted_mean(p: Tensor, v: Tensor, mask: Tensor, name: str = "set") -> Tensor:
+def weighted_mean(p: Tensor, v: Tensor, mask: Tensor, name: str = "set", mask_name: str = "mask") -> Tensor:
     """``p``-weighted mean of ``v`` over the set ``mask``: ``[*, D]``.
 
     Raises ``ValueError`` if the set carries zero mass in some row (the mean is then
@@ -231,7 +231,7 @@ def weighted_mean(p: Tensor, v: Tensor, mask: Tensor, name: str = "set") -> Tens
     p = check_attention(p)
     v = check_values(v)
     _check_pv(p, v)
-    mask = check_keep(mask, p, name="mask")
+    mask = check_keep(mask, p, name=mask_name)
     w = p * mask
     mass = w.sum(-1)
     zero = mass <= 0
@@ -247,7 +247,7 @@ def kept_output(p: Tensor, v: Tensor, keep: Tensor) -> Tensor:
     Shapes ``[*, N], [*, N, D], [*, N] -> [*, D]``. Raises ``ValueError`` if a row's
     kept mass is zero (a cache with nothing attended to has no output).
     """
-    return weighted_mean(p, v, keep, name="kept set")
+    return weighted_mean(p, v, keep, name="kept set", mask_name="keep")
 
 
 def identity_rhs(p: Tensor, v: Tensor, keep: Tensor) -> Tensor:

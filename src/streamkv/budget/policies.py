@@ -144,12 +144,15 @@ class MassBudget(Policy):
     tokens with fewer tokens reaches the mass. Ties in that order make the choice
     deterministic (independent of the order the cached tokens are stored in).
 
-    Mass is measured as :func:`streamkv.budget.mass.kept_mass` computes it, in the
-    attention's dtype; the result always satisfies ``kept_mass >= 1 - tau`` under that
-    computation (if rounding of the cumulative sum disagrees by an ulp, one more token
-    is added), except when every token is kept and the row sums to slightly less than
-    ``1 - tau`` (possible only for ``tau`` below the row-sum tolerance), in which
-    case the output is exact anyway.
+    Floating point: the kept mass is measured as
+    :func:`streamkv.budget.mass.kept_mass` computes it (in the attention's dtype), and
+    the count is settled on that measure, so ``kept_mass >= 1 - tau`` always holds
+    and no shorter prefix of the order reaches it — except when every token is kept
+    and the row sums to slightly less than ``1 - tau`` (possible only for ``tau``
+    below the row-sum tolerance), in which case the output is exact anyway. Where
+    every partial sum is exact (e.g. dyadic masses) the set is minimal among *all*
+    sets; in general, a different set whose exact mass ties the prefix's can round
+    to the other side of ``1 - tau`` (an ulp-level effect).
 
     Args:
         tau: the dropped-mass budget, in the open interval (0, 1).
@@ -196,14 +199,32 @@ class MassBudget(Policy):
         reached = csum >= target
         # count = 1 + first index where the cumulative mass reaches the target (N if never)
         first = torch.where(reached.any(1), reached.to(torch.int8).argmax(1) + 1, torch.full_like(order[:, 0], n))
-        count = first.clamp(min=int(prot.sum()))
+        n_prot = int(prot.sum())
+        count = first.clamp(min=n_prot)
         rank = torch.arange(n, device=p.device)
+
+        def prefix(c: Tensor) -> tuple[Tensor, Tensor]:
+            keep = torch.zeros_like(p2, dtype=torch.bool).scatter(1, order, rank < c.unsqueeze(1))
+            return keep, (p2 * keep).sum(1)   # the canonical kept mass (kept_mass)
+
+        # the cumulative sum and the canonical sum may round differently; settle the
+        # count on the canonical one (it is monotone in the prefix length): grow while
+        # short of the target, then shrink while one fewer still reaches it
+        keep, km = prefix(count)
         while True:
-            keep = torch.zeros_like(p2, dtype=torch.bool).scatter(1, order, rank < count.unsqueeze(1))
-            short = ((p2 * keep).sum(1) < target) & (count < n)
+            short = (km < target) & (count < n)
             if not short.any():
                 break
             count = count + short.to(count.dtype)
+            keep, km = prefix(count)
+        while True:
+            fewer = (count - (count > n_prot).to(count.dtype))
+            _, km_fewer = prefix(fewer)
+            drop = (fewer < count) & (km_fewer >= target)
+            if not drop.any():
+                break
+            count = count - drop.to(count.dtype)
+        keep, _ = prefix(count)
         return keep.reshape(*lead, n)
 
     def label(self) -> str:
