@@ -1,0 +1,126 @@
+"""The attention dispatch: physical order where valid, chronological elsewhere, never a
+silent fallback; the blockwise log-sum-exp."""
+
+import pytest
+import torch
+
+from streamkv import ChronologicalCache, RingCache
+from streamkv.attention import attend, blockwise_lse
+from streamkv.reference import ReferenceCache, reference_attention
+from streamkv.rope import Rope3D
+
+S, W, C, H, D = 2, 7, 3, 2, 8
+
+
+def _fill(cache, chunks, seed=0, ref=None):
+    gen = torch.Generator().manual_seed(seed)
+    for c in range(chunks):
+        cache.begin_chunk(c)
+        if ref is not None:
+            ref.begin_chunk(c)
+        k = torch.randn(1, C, H, D, generator=gen, dtype=cache.dtype)
+        v = torch.randn(1, C, H, D + 1, generator=gen, dtype=cache.dtype)
+        cache.write(k, v)
+        if ref is not None:
+            ref.write(k, v)
+        if c + 1 < chunks:
+            cache.commit_chunk(c)
+            if ref is not None:
+                ref.commit_chunk(c)
+    return cache
+
+
+def _ring(dtype=torch.float64):
+    return RingCache((1, S + W, H, D), (1, S + W, H, D + 1), seq_dim=1, sink=S, window=W, chunk=C, dtype=dtype)
+
+
+@pytest.mark.parametrize("chunks,occupancy", [(1, "prefix"), (2, "prefix"), (2, "mask"), (3, "all"), (7, "all"), (7, "mask")])
+def test_physical_equals_reference_for_every_occupancy(chunks, occupancy):
+    ref = ReferenceCache(sink=S, window=W, chunk=C, seq_dim=1)
+    ring = _fill(_ring(), chunks, ref=ref)
+    q = torch.randn(1, C, H, D, dtype=torch.float64)
+    if occupancy == "all" and not ring.all_valid:
+        pytest.skip("not full")
+    out, info = attend(q, ring, order="physical", occupancy=occupancy, return_lse=True)
+    want = reference_attention(q.transpose(1, 2), ref.chronological_keys().transpose(1, 2), ref.chronological_values().transpose(1, 2))
+    assert info.path == "physical" and info.occupancy == occupancy
+    assert (out.transpose(1, 2) - want).abs().max() < 1e-12
+    # the lse agrees with a full logsumexp over the retained keys
+    scores = q.transpose(1, 2) @ ref.chronological_keys().permute(0, 2, 3, 1) / D**0.5
+    assert (info.lse - scores.logsumexp(-1)).abs().max() < 1e-12
+
+
+def test_auto_picks_the_path_and_says_so():
+    ring = _fill(_ring(), 5)
+    q = torch.randn(1, C, H, D, dtype=torch.float64)
+    _, info = attend(q, ring)
+    assert info.path == "physical" and info.occupancy == "all" and info.keys_read == S + W
+    _, info = attend(q, ring, attn_mask=torch.ones(C, S + W, dtype=torch.bool))
+    assert info.path == "chronological" and info.occupancy is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(rope="cache_relative", key_transform=lambda k: k), "keys use cache-relative RoPE"),
+        (dict(attn_mask=torch.zeros(C, S + W)), "an attention mask is given"),
+    ],
+)
+def test_physical_request_is_refused_where_invalid(kwargs, match):
+    ring = _fill(_ring(), 5)
+    q = torch.randn(1, C, H, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="the physical-order path is invalid here: " + match):
+        attend(q, ring, order="physical", **kwargs)
+
+
+def test_cache_relative_rope_needs_the_chronological_path():
+    """Keys stored unrotated and rotated at read time by their chronological index: after
+    a wrap, rotating the physical buffer by slot index gives a different (wrong) answer;
+    the chronological path matches the whole-history reference."""
+    rope = Rope3D(D, 1, 3, max_frames=64)  # 3 tokens per frame
+    ref = ReferenceCache(sink=S, window=W, chunk=C, seq_dim=1)
+    ring = _fill(_ring(), 6, seed=3, ref=ref)  # wrapped
+    assert ring.wraps >= 1
+    n = ring.num_valid
+    cos, sin = rope.cos_sin(torch.arange(n), torch.float64)
+    q = torch.randn(1, C, H, D, dtype=torch.float64)
+    qr = Rope3D.rotate(q, cos[n - C :].unsqueeze(1), sin[n - C :].unsqueeze(1))
+    rotate = lambda k: Rope3D.rotate(k, cos, sin)  # noqa: E731  keys [B, H, n, D]
+    out, info = attend(qr, ring, rope="cache_relative", key_transform=rotate)
+    assert info.path == "chronological"
+    want = reference_attention(qr.transpose(1, 2), rotate(ref.chronological_keys().transpose(1, 2)), ref.chronological_values().transpose(1, 2))
+    assert (out.transpose(1, 2) - want).abs().max() < 1e-12
+    # what a physical read would compute: keys rotated by their slot, not their order
+    wrong = reference_attention(qr.transpose(1, 2), rotate(ring.keys().transpose(1, 2)), ring.values().transpose(1, 2))
+    assert (wrong - want).abs().max() > 1e-3
+
+
+def test_chronological_cache_physical_equals_chronological_in_fp32():
+    cache = _fill(ChronologicalCache((1, S + W, H, D), (1, S + W, H, D + 1), seq_dim=1, sink=S, window=W, chunk=C), 6)
+    q = torch.randn(1, C, H, D)
+    a, ia = attend(q, cache, order="physical")
+    b, ib = attend(q, cache, order="chronological")
+    assert (ia.path, ib.path) == ("physical", "chronological")
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.parametrize("block", [1, 5, 64])
+def test_blockwise_lse_matches_logsumexp_with_a_bias(block):
+    q = torch.randn(2, 3, 11, 8, dtype=torch.float64)
+    k = torch.randn(2, 3, 13, 8, dtype=torch.float64)
+    bias = torch.zeros(13, dtype=torch.float64)
+    bias[[2, 7]] = float("-inf")
+    lse = blockwise_lse(q, k, scale=0.3, bias=bias, block=block)
+    want = (q @ k.transpose(-1, -2) * 0.3 + bias).logsumexp(-1)
+    assert (lse - want).abs().max() < 1e-12
+
+
+def test_bad_options_are_named():
+    ring = _fill(_ring(), 2)
+    q = torch.randn(1, C, H, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="order must be 'auto', 'physical' or 'chronological', got 'ring'"):
+        attend(q, ring, order="ring")
+    with pytest.raises(ValueError, match="needs key_transform"):
+        attend(q, ring, rope="cache_relative")
+    with pytest.raises(ValueError, match="occupancy must be 'all', 'prefix' or 'mask', got 'full'"):
+        attend(q, ring, order="physical", occupancy="full")
