@@ -183,7 +183,8 @@ def attend(
             n = cache.num_valid
             k, v = k.narrow(-2, 0, n), v.narrow(-2, 0, n)
         elif occupancy == "mask":
-            bias = valid_bias(cache.slot_positions, qt.dtype)
+            positions = source.slot_positions if hasattr(source, "slot_positions") else cache.slot_positions
+            bias = valid_bias(positions, qt.dtype)
         elif occupancy != "all":
             raise ValueError(f"occupancy must be 'all', 'prefix' or 'mask', got {occupancy!r}")
     else:

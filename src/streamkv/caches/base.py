@@ -90,6 +90,10 @@ class KVCache(abc.ABC):
     #: ``write`` reads its destination only from device tensors, so one captured CUDA
     #: graph stays correct for every chunk (not only in the steady state).
     graph_safe_writes: ClassVar[bool] = False
+    #: The model hands this cache the chunk's (rotated) queries after every write, via
+    #: :meth:`observe_queries`; the last ones seen before ``commit_chunk`` (the clean
+    #: pass) are the chunk's queries.
+    observes_queries: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -317,6 +321,16 @@ class KVCache(abc.ABC):
         """Device ``bool [capacity]``: slots holding a retained position."""
         return self._slot_pos >= 0
 
+    def observe_queries(self, q: Tensor, layer: int | None = None) -> None:
+        """Receive the open chunk's queries (layout of the K chunk). No-op unless the cache
+        ``observes_queries``."""
+
+    def layer_slot_positions(self, layer: int | None = None) -> Tensor:
+        """Slot positions as seen by ``layer``: ``int64 [capacity]``, or ``[heads, capacity]``
+        for caches whose heads hold different positions."""
+        self._check_layer(layer)
+        return self._slot_pos
+
     def keys(self, layer: int | None = None) -> Tensor:
         """The physical key buffer of ``layer`` (``k_shape``), a view of the storage."""
         return self._k[self._check_layer(layer)]
@@ -492,6 +506,13 @@ class LayerView:
 
     def keys(self) -> Tensor:
         return self.cache.keys(self.index)
+
+    def observe_queries(self, q: Tensor) -> None:
+        self.cache.observe_queries(q, layer=self.index)
+
+    @property
+    def slot_positions(self) -> Tensor:
+        return self.cache.layer_slot_positions(self.index)
 
     def values(self) -> Tensor:
         return self.cache.values(self.index)

@@ -108,6 +108,8 @@ class Block(nn.Module):
         if rope_mode == "absolute":
             q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
             _timed_write(kv, k, v, timer)
+            if kv.cache.observes_queries:  # e.g. a mass budget scores its keys with them at commit
+                kv.observe_queries(q)
             attn, _ = attend(q, kv, order=order, occupancy=occupancy)
         else:
             _timed_write(kv, k, v, timer)
