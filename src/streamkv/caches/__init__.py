@@ -3,6 +3,9 @@
 from .base import KVCache, LayerView
 from .cacheset import CACHE_KINDS, CacheSet
 from .chronological import ChronologicalCache
+from .mass import MassBudgetCache
 from .ring import RingCache
 
-__all__ = ["KVCache", "LayerView", "RingCache", "ChronologicalCache", "CacheSet", "CACHE_KINDS"]
+CACHE_KINDS["mass"] = MassBudgetCache
+
+__all__ = ["KVCache", "LayerView", "RingCache", "ChronologicalCache", "MassBudgetCache", "CacheSet", "CACHE_KINDS"]
