@@ -28,7 +28,8 @@ call them outside any captured region. None of them synchronises with the device
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,7 +37,25 @@ from torch import Tensor
 
 from ..layout import CacheLayout
 
-__all__ = ["KVCache", "LayerView"]
+__all__ = ["KVCache", "LayerView", "EvictionEvent"]
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """Tokens about to leave a cache, announced before their slots change.
+
+    ``evicted`` is a device ``bool`` mask over slots: ``[capacity]`` when every head of
+    ``layers`` loses the same slots (ring, chronological), ``[heads, capacity]`` when heads
+    differ (per-head budgets). At the time of the call, ``cache.keys(layer)``,
+    ``cache.values(layer)`` and ``cache.layer_slot_positions(layer)`` still hold the evicted
+    tokens. Listeners must not mutate the cache; they may copy from it (device ops, no
+    sync needed).
+    """
+
+    cache: "KVCache"
+    chunk_idx: int  # the chunk whose reservation (or commit) evicts
+    layers: tuple[int, ...]
+    evicted: Tensor
 
 
 def _shape_tuple(name: str, shape: object) -> tuple[int, ...]:
@@ -155,6 +174,7 @@ class KVCache(abc.ABC):
         self._next_chunk = 0  # chunks reserved so far; begin_chunk(_next_chunk) advances
         self._open: int | None = None  # chunk between begin_chunk and commit_chunk
         self._is_open = False  # the same as a bool, read by write() (stable under compile)
+        self._eviction_listeners: list[Callable[[EvictionEvent], None]] = []
 
     def _check_buffers(self, buffers: tuple[Tensor, Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
         if not (isinstance(buffers, (tuple, list)) and len(buffers) == 2):
@@ -320,6 +340,20 @@ class KVCache(abc.ABC):
     def valid_mask(self) -> Tensor:
         """Device ``bool [capacity]``: slots holding a retained position."""
         return self._slot_pos >= 0
+
+    def add_eviction_listener(self, listener: Callable[[EvictionEvent], None]) -> None:
+        """Call ``listener(event)`` whenever retained tokens are about to be evicted (see
+        :class:`EvictionEvent`). Listeners run on the host inside ``begin_chunk`` (ring,
+        chronological) or ``commit_chunk`` (budgeted caches), outside any captured region."""
+        if not callable(listener):
+            raise TypeError(f"listener must be callable, got {type(listener).__name__}")
+        self._eviction_listeners.append(listener)
+
+    def _notify_evict(self, chunk_idx: int, layers: Sequence[int], evicted: Tensor) -> None:
+        if self._eviction_listeners:
+            event = EvictionEvent(self, chunk_idx, tuple(layers), evicted)
+            for listener in self._eviction_listeners:
+                listener(event)
 
     def observe_queries(self, q: Tensor, layer: int | None = None) -> None:
         """Receive the open chunk's queries (layout of the K chunk). No-op unless the cache

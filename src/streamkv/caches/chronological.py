@@ -55,6 +55,10 @@ class ChronologicalCache(KVCache):
         new_end = end + L.chunk
         shift = L.window_start(new_end) - L.window_start(end)
         keep = end - L.window_start(new_end)  # retained window positions that must move
+        if shift > 0 and self._eviction_listeners:
+            evicted = torch.zeros(L.capacity, dtype=torch.bool, device=self.device)
+            evicted[L.sink : L.sink + shift] = True  # the oldest window positions, about to be overwritten
+            self._notify_evict(chunk_idx, range(self.num_layers), evicted)
         if shift > 0 and keep > 0:
             src, dst = L.sink + shift, L.sink
             seq = self.seq_dim + 1  # buffers carry the layer dim first

@@ -228,6 +228,7 @@ class MassBudgetCache(KVCache):
         for layer, (occ, m) in enumerate(zip(occupied, masses)):
             evict = self._select(layer, m, chunk_idx)
             kept_mass.append(self.query_kept_mass(layer, occ, occ & ~evict))
+            self._notify_evict(chunk_idx, (layer,), evict)
             self._slot_pos[layer].masked_fill_(evict, -1)
         self._last_kept_mass = torch.stack(kept_mass)
 

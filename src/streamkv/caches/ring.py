@@ -66,6 +66,10 @@ class RingCache(KVCache):
     # ------------------------------------------------------------- lifecycle
     def _reserve(self, chunk_idx: int) -> None:
         self._plan(chunk_idx)
+        if self._eviction_listeners and self.layout.chunk_start(chunk_idx) + self.layout.chunk > self.layout.capacity:
+            evicted = torch.zeros(self.layout.capacity, dtype=torch.bool, device=self.device)
+            evicted[self._slots] = self._slot_pos[self._slots] >= 0
+            self._notify_evict(chunk_idx, range(self.num_layers), evicted)
         # the new positions take over their slots (evicting what was there)
         self._slot_pos.index_copy_(0, self._slots, self._chunk_pos)
 
