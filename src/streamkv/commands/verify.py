@@ -14,14 +14,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
     from ..experiments.verify import default_layouts, run_verify
+    from ._common import console as make_console
     from ._common import versions, write_json
 
-    console = Console()
+    console = make_console()
     dtype = getattr(torch, args.dtype)
     layouts = default_layouts()
     with Progress(console=console, transient=True) as progress:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column(f"physical-order attention diff ({result.attention_diff_kind})", justify="right")
     for name in ("chronological", "ring"):
         table.add_row(
-            "ChronologicalCache (current path)" if name == "chronological" else "RingCache",
+            "ChronologicalCache (current)" if name == "chronological" else "RingCache",
             str(result.layouts), str(result.comparisons), str(result.identical[name]),
             f"{result.max_attention_diff[name]:.3e}",
         )
