@@ -12,6 +12,10 @@ import torch
 
 from streamkv.caches import KVCache
 
+# The suite is made of many tiny ops; one intra-op thread avoids thread-pool contention
+# (on a busy 2-core machine it is several times faster and changes no result).
+torch.set_num_threads(1)
+
 
 def snapshot(obj: Any) -> dict[str, Any]:
     """Every attribute of a cache (tensors cloned, with their data_ptr), recursively
