@@ -31,6 +31,14 @@ Execution modes:
     on the device, so replays write the new chunk. Caches whose write offset is a host
     int (the chronological path) run eagerly until the cache is full, then replay a
     graph captured in the steady state. CUDA only.
+
+Context parallelism (``cp``, see :mod:`streamkv.distributed`): every rank runs this
+same loop with the same seed, so noise, host bookkeeping (``begin_chunk`` /
+``commit_chunk``) and the sampler are identical on every rank; only the DiT forward
+is sharded (its output is gathered, so every rank holds the whole chunk). Each rank's
+caches hold ``H/N`` heads. Eager and compile modes; ``graph`` with more than one rank
+is refused (the all-to-alls would sit inside the captured region and no GPU run has
+yet shown that replaying them is correct).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from torch import Tensor
 
 from .caches import CacheSet
 from .caches.base import KVCache
+from .distributed.group import ContextParallel
 from .models.dit import CausalVideoDiT, CrossKV
 
 __all__ = ["Schedule", "StreamingRollout", "ChunkStats"]
@@ -122,6 +131,13 @@ class StreamingRollout:
         compile_backend: backend for ``mode="compile"`` (``"inductor"``, ``"aot_eager"``,
             or a callable such as ``torch._dynamo.testing.CompileCounter()``).
         cache_kwargs: extra arguments of the cache class (e.g. ``tau=0.05``).
+        cp: context-parallel group (Ulysses; one rollout per rank, same arguments on
+            every rank). ``None``: one process.
+
+    Raises:
+        ValueError: bad arguments; with ``cp``, heads or chunk tokens that do not
+            divide by the world size (checked before anything is allocated).
+        RuntimeError: ``mode="graph"`` with ``cp.world_size > 1``, or without CUDA.
     """
 
     def __init__(
@@ -139,9 +155,21 @@ class StreamingRollout:
         instrument: bool = False,
         compile_backend: Any = "inductor",
         cache_kwargs: dict[str, Any] | None = None,
+        cp: ContextParallel | None = None,
     ) -> None:
         if not isinstance(model, CausalVideoDiT):
             raise TypeError(f"model must be a CausalVideoDiT, got {type(model).__name__}")
+        if cp is not None:
+            if not isinstance(cp, ContextParallel):
+                raise TypeError(f"cp must be a ContextParallel or None, got {type(cp).__name__}")
+            model.check_context_parallel(cp.world_size)
+            if mode == "graph" and cp.world_size > 1:
+                raise RuntimeError(
+                    f"mode='graph' with context parallelism (world_size={cp.world_size}) is not supported: the "
+                    "all-to-alls would be captured in the CUDA graph, and no GPU run has shown that replaying them "
+                    "is correct; use mode='eager' or 'compile'"
+                )
+        world_size = 1 if cp is None else cp.world_size
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an int >= 1, got {batch!r}")
         if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 1.0:
@@ -170,6 +198,7 @@ class StreamingRollout:
         self.rope_mode = rope_mode
         self.order = order
         self.instrument = instrument
+        self.cp = cp
         self.dtype, self.device = p.dtype, p.device
         self.branches = ("cond", "uncond") if self.guidance > 1.0 else ("cond",)
         if isinstance(cache, CacheSet):
@@ -177,7 +206,7 @@ class StreamingRollout:
             if missing:
                 raise ValueError(f"cache set lacks branches {missing} needed at guidance {self.guidance}")
             for b in self.branches:
-                model.check_cache(cache[b], batch)
+                model.check_cache(cache[b], batch, world_size)
                 if cache[b].dtype != self.dtype or cache[b].device != self.device:
                     raise ValueError(
                         f"cache branch {b!r} is {cache[b].dtype} on {cache[b].device}; the model is "
@@ -187,7 +216,7 @@ class StreamingRollout:
         else:
             self.caches = CacheSet(
                 cache, branches=self.branches, dtype=self.dtype, device=self.device,
-                **model.cache_kwargs(batch), **(cache_kwargs or {}),
+                **model.cache_kwargs(batch, world_size), **(cache_kwargs or {}),
             )
         self.seed = seed
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -215,9 +244,9 @@ class StreamingRollout:
                 f"guidance {self.guidance} > 1 needs a negative prompt (the uncond branch); pass "
                 f"negative_prompt='' for an empty one"
             )
-        cross = {"cond": self.model.cross_kv(self.model.encode_prompt(prompt, self.batch))}
+        cross = {"cond": self.model.cross_kv(self.model.encode_prompt(prompt, self.batch), self.cp)}
         if self.guidance > 1.0:
-            cross["uncond"] = self.model.cross_kv(self.model.encode_prompt(negative_prompt, self.batch))
+            cross["uncond"] = self.model.cross_kv(self.model.encode_prompt(negative_prompt, self.batch), self.cp)
         self._cross = cross
         self.caches.reset(self.branches)
         self._chunk = 0
@@ -320,14 +349,14 @@ class StreamingRollout:
         return flows["uncond"] + self.guidance * (flows["cond"] - flows["uncond"])
 
     def _network(self, x: Tensor, t: Tensor, cache: KVCache, cross: CrossKV, cos: Tensor, sin: Tensor, occupancy: str) -> Tensor:
-        return self.model(x, t, cache, cross, (cos, sin), order=self.order, occupancy=occupancy)
+        return self.model(x, t, cache, cross, (cos, sin), order=self.order, occupancy=occupancy, cp=self.cp)
 
     def _forward(self, branch: str, x: Tensor, t: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         cache, cross = self.caches[branch], self._cross[branch]
         if self.mode == "eager":
             return self.model(
                 x, t, cache, cross, rope, rope_mode=self.rope_mode, relative_rope=self._relative_rope,
-                order=self.order, timer=self._add_maintenance if self.instrument else None,
+                order=self.order, timer=self._add_maintenance if self.instrument else None, cp=self.cp,
             )
         # static-shape steps: the occupancy is a host decision made here, outside the trace
         occupancy = "all" if cache.all_valid else "mask"

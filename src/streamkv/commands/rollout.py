@@ -1,4 +1,8 @@
-"""``streamkv rollout``: a streaming rollout of the causal DiT on one cache, or all compared."""
+"""``streamkv rollout``: a streaming rollout of the causal DiT on one cache, or all compared.
+
+``--nproc N`` runs the same rollouts on one process and on ``N`` context-parallel ranks
+(Ulysses, started here) and reports their parity and the cache bytes per rank.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and noise seed")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of latency and maintenance per chunk")
+    p.add_argument("--tau", type=float, default=0.05, help="dropped-mass budget of the 'mass' cache (default 0.05)")
+    p.add_argument(
+        "--nproc", type=int, default=1,
+        help="context-parallel ranks (Ulysses, gloo on CPU / NCCL on CUDA) started here; > 1 compares them "
+        "against a single-process run (default 1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,12 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     kinds = available_caches() if args.compare else (args.cache,)
+    if args.nproc != 1:
+        return _run_context_parallel(args, kinds, console)
     streams = args.chunks + max(1, args.chunks // 2)
     with progress_bar(console) as progress:
         tasks = {k: progress.add_task(f"{k:>14} chunks", total=streams) for k in kinds}
         result = compare_rollouts(
             kinds, config=args.config, chunks=args.chunks, guidance=args.guidance, mode=args.mode,
             device=args.device, seed=args.seed, progress=lambda k: progress.advance(tasks[k]),
+            cache_kwargs=_cache_kwargs(args),
         )
     print_tables(console, result)
     payload = {**result.to_json(), "versions": versions()}
@@ -44,6 +57,57 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_runs(result, args.plot)
         console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cache_kwargs(args: argparse.Namespace) -> dict[str, dict]:
+    """Extra constructor arguments per cache kind."""
+    return {"mass": {"tau": args.tau}}
+
+
+def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], console) -> int:
+    """``--nproc N``: the rollouts on one process and on ``N`` ranks; parity and cache bytes."""
+    from rich.table import Table
+
+    from ..distributed import compare_context_parallel
+    from ._common import versions, write_json
+
+    if args.plot:
+        raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
+    with console.status("") as status:
+        result = compare_context_parallel(
+            kinds, nproc=args.nproc, config=args.config, chunks=args.chunks, guidance=args.guidance,
+            mode=args.mode, device=args.device, seed=args.seed, cache_kwargs=_cache_kwargs(args),
+            progress=lambda what: status.update(f"running {what}"),
+        )
+    n, cfg = result.world_size, result.config
+    console.print(
+        f"[bold]{cfg['name']}[/]: {cfg['heads']} heads over {n} ranks ({cfg['heads'] // n} per rank), "
+        f"{cfg['device']}, mode {cfg['mode']}, guidance {cfg['guidance']}; streams of {cfg['streams']} chunks "
+        f"(reset between); first eviction at chunk {cfg['first_eviction_chunk']}, ring wraps "
+        f"{cfg['ring_wraps_first_stream']}x"
+    )
+    table = Table(title=f"Ulysses context parallelism: {n} ranks vs 1 process")
+    for col in ("cache", "max |diff|", "scale", "|diff|/scale", "ranks agree", "cache B/rank", "cache B 1 proc"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    for k in kinds:
+        table.add_row(
+            k, f"{result.max_abs_diff[k]:.2e}", f"{result.output_scale[k]:.3f}",
+            f"{result.max_abs_diff[k] / result.output_scale[k]:.2e}", "yes" if result.ranks_agree[k] else "NO",
+            f"{result.cache_bytes_per_rank[k]:,}", f"{result.cache_bytes_single[k]:,}",
+        )
+    console.print(table)
+    for k in kinds:
+        per, single = result.cache_bytes_per_rank[k], result.cache_bytes_single[k]
+        console.print(
+            f"{k}: each of the {n} ranks holds {per:,} cache bytes = {per / single:.4g} (1/{single / per:.4g}) of the "
+            f"single-process {single:,}"
+        )
+    console.print("parity bound: |diff| / scale <= 1e-5 (fp32)")
+    payload = {**result.to_json(), "versions": versions()}
+    write_json(args.json, payload)
+    if args.json:
+        console.print(f"wrote {args.json}")
     return 0
 
 

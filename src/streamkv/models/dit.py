@@ -19,6 +19,10 @@ may read the cache in physical order. ``rope="cache_relative"`` stores keys unro
 and rotates them at read time by their index in the chronological view; that path
 must gather.
 
+Context parallelism (``cp``, Ulysses): each rank embeds a token shard of the chunk;
+around self- and cross-attention an all-to-all trades token shards for head shards, so
+each rank's cache and text K/V hold ``H/N`` heads (:mod:`streamkv.distributed`).
+
 Weights are random (seeded); nothing is downloaded. The text encoder is replaced by a
 seeded embedding of the prompt string (:meth:`CausalVideoDiT.encode_prompt`).
 """
@@ -30,7 +34,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +42,12 @@ from torch import Tensor, nn
 
 from ..attention import Occupancy, Order, attend
 from ..caches.base import KVCache
+from ..distributed.group import check_split
 from ..rope import Rope3D
 from .config import DiTConfig
+
+if TYPE_CHECKING:
+    from ..distributed import ContextParallel
 
 __all__ = ["CausalVideoDiT", "CrossKV"]
 
@@ -98,12 +106,15 @@ class Block(nn.Module):
         order: Order,
         occupancy: Occupancy | None,
         timer: Callable[[float], None] | None,
+        cp: ContextParallel | None = None,
     ) -> Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation + e).unbind(1)  # e: [B, 6, dim]
         h = self.norm1(x) * (1 + scale1.unsqueeze(1)) + shift1.unsqueeze(1)
         q = self._heads(self.norm_q(self.q(h)))
         k = self._heads(self.norm_k(self.k(h)))
         v = self._heads(self.v(h))
+        if cp is not None:  # Ulysses: token shard, all heads -> whole chunk, this rank's heads
+            q, k, v = cp.tokens_to_heads(q, k, v)
         cos, sin = rope
         if rope_mode == "absolute":
             q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
@@ -121,11 +132,18 @@ class Block(nn.Module):
                 q, kv, order=order, rope="cache_relative",
                 key_transform=lambda kc: Rope3D.rotate(kc, rel_cos, rel_sin),
             )
+        if cp is not None:
+            attn = cp.heads_to_tokens(attn)
         x = x + gate1.unsqueeze(1) * self.o(attn.flatten(-2))
         cq = self._heads(self.cnorm_q(self.cq(self.norm3(x))))
+        if cp is not None:  # the text K/V hold this rank's heads (CausalVideoDiT.cross_kv)
+            (cq,) = cp.tokens_to_heads(cq)
         ck, cv = cross
         ca = F.scaled_dot_product_attention(cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2))
-        x = x + self.co(ca.transpose(1, 2).flatten(-2))
+        ca = ca.transpose(1, 2)
+        if cp is not None:
+            ca = cp.heads_to_tokens(ca)
+        x = x + self.co(ca.flatten(-2))
         h = self.norm2(x) * (1 + scale2.unsqueeze(1)) + shift2.unsqueeze(1)
         return x + gate2.unsqueeze(1) * self.ffn(h)
 
@@ -181,24 +199,38 @@ class CausalVideoDiT(nn.Module):
         c = self.cfg
         return (batch, c.in_channels, c.frames_per_chunk, c.latent_h, c.latent_w)
 
-    def cache_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-layer K and V buffer shapes ``[B, sink + window, H, D]`` (``seq_dim=1``)."""
+    def check_context_parallel(self, world_size: int) -> None:
+        """Raise ``ValueError`` unless heads and chunk tokens split evenly over
+        ``world_size`` ranks (Ulysses context parallelism)."""
         c = self.cfg
-        shape = (batch, c.sink_tokens + c.window_tokens, c.heads, c.head_dim)
+        check_split(
+            heads=c.heads, chunk_tokens=c.chunk_tokens, world_size=world_size,
+            what=f"config {c.name!r}: {c.frames_per_chunk} frames x {c.tokens_per_frame} tokens per chunk",
+        )
+
+    def cache_shapes(self, batch: int, world_size: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-layer K and V buffer shapes ``[B, sink + window, H / world_size, D]``
+        (``seq_dim=1``): with context parallelism each rank caches its own heads."""
+        c = self.cfg
+        if world_size != 1:
+            self.check_context_parallel(world_size)
+        shape = (batch, c.sink_tokens + c.window_tokens, c.heads // world_size, c.head_dim)
         return shape, shape
 
-    def cache_kwargs(self, batch: int) -> dict:
-        """Keyword arguments for :class:`~streamkv.caches.CacheSet` matching this model."""
-        k_shape, v_shape = self.cache_shapes(batch)
+    def cache_kwargs(self, batch: int, world_size: int = 1) -> dict:
+        """Keyword arguments for :class:`~streamkv.caches.CacheSet` matching this model
+        (one rank's heads when ``world_size > 1``)."""
+        k_shape, v_shape = self.cache_shapes(batch, world_size)
         c = self.cfg
         return dict(
             k_shape=k_shape, v_shape=v_shape, seq_dim=1, sink=c.sink_tokens, window=c.window_tokens,
             chunk=c.chunk_tokens, num_layers=c.layers,
         )
 
-    def check_cache(self, cache: KVCache, batch: int) -> None:
-        """Raise ``ValueError`` unless ``cache`` was built for this model and batch size."""
-        want = self.cache_kwargs(batch)
+    def check_cache(self, cache: KVCache, batch: int, world_size: int = 1) -> None:
+        """Raise ``ValueError`` unless ``cache`` was built for this model and batch size
+        (and for one rank of ``world_size``)."""
+        want = self.cache_kwargs(batch, world_size)
         got = dict(
             k_shape=cache.k_shape, v_shape=cache.v_shape, seq_dim=cache.seq_dim, sink=cache.layout.sink,
             window=cache.layout.window, chunk=cache.layout.chunk, num_layers=cache.num_layers,
@@ -219,10 +251,16 @@ class CausalVideoDiT(nn.Module):
         return emb.expand(batch, -1, -1).to(device=p.device, dtype=p.dtype)
 
     @torch.no_grad()
-    def cross_kv(self, text: Tensor) -> CrossKV:
-        """Cross-attention K/V for every layer, computed once per prompt."""
+    def cross_kv(self, text: Tensor, cp: ContextParallel | None = None) -> CrossKV:
+        """Cross-attention K/V for every layer, computed once per prompt.
+
+        With ``cp``, each rank keeps only its heads ``[B, text_len, H/N, D]`` (the key
+        RMSNorm spans all heads, so the full projection is computed, then sliced).
+        """
         ctx = self.text_embed(text)
         pairs = [blk.cross_kv(ctx) for blk in self.blocks]
+        if cp is not None:
+            pairs = [(cp.shard_heads(k), cp.shard_heads(v)) for k, v in pairs]
         return CrossKV([k for k, _ in pairs], [v for _, v in pairs])
 
     # --------------------------------------------------------------- RoPE
@@ -267,6 +305,7 @@ class CausalVideoDiT(nn.Module):
         order: Order = "auto",
         occupancy: Occupancy | None = None,
         timer: Callable[[float], None] | None = None,
+        cp: ContextParallel | None = None,
     ) -> Tensor:
         """Predict the flow of one chunk; writes the chunk's K/V into ``cache`` (every layer).
 
@@ -279,19 +318,30 @@ class CausalVideoDiT(nn.Module):
             rope_mode, relative_rope: see the module docstring.
             order, occupancy: forwarded to :func:`~streamkv.attention.attend`.
             timer: called with the seconds of every cache write (eager measurements).
+            cp: context parallelism (Ulysses). Every rank passes the same ``x`` and
+                ``t``; it embeds its token shard ``[B, L/N, dim]``, its ``cache`` and
+                ``cross`` hold its ``H/N`` heads (``cache_kwargs(batch, N)``,
+                ``cross_kv(text, cp)``), and the output tokens are gathered, so every
+                rank returns the whole flow. Four all-to-alls per block and one
+                all-gather; ``None``: one process, no collective.
 
         Returns:
             flow prediction, the shape of ``x``.
         """
         frames = x.shape[2]
         tokens = self.patch_embed(self.patchify(x))
+        if cp is not None:
+            tokens = cp.shard_tokens(tokens)
         e = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(tokens.dtype))
         e6 = self.time_proj(e).unflatten(-1, (6, self.cfg.dim))
         for i, blk in enumerate(self.blocks):
             tokens = blk(
                 tokens, e6, cache.layer(i), (cross.keys[i], cross.values[i]), rope,
                 rope_mode=rope_mode, relative_rope=relative_rope, order=order, occupancy=occupancy, timer=timer,
+                cp=cp,
             )
         shift, scale = (self.head_modulation + e.unsqueeze(1)).unbind(1)
         out = self.head(self.head_norm(tokens) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
+        if cp is not None:
+            out = cp.gather_tokens(out)
         return self.unpatchify(out, frames)

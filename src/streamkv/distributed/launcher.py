@@ -1,0 +1,91 @@
+"""Start ``N`` ranks on this machine and collect what each returns.
+
+``launch(fn, nproc, *args)`` spawns ``nproc`` processes (``torch.multiprocessing``,
+start method ``spawn``), initialises a process group in each (``gloo`` for CPU,
+``nccl`` for CUDA, rendezvous through a file in a fresh temporary directory, so no
+port is needed), calls ``fn(cp, *args)`` with the rank's
+:class:`~streamkv.distributed.ContextParallel`, and returns the values in rank order.
+An exception in any rank is raised in the caller with that rank's traceback.
+
+``fn`` must be importable by the children (a module-level function). Return values
+travel through ``torch.save`` files in the temporary directory, so tensors are fine.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .group import ContextParallel
+
+__all__ = ["launch"]
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> list[Any]:
+    """Run ``fn(cp, *args)`` on ``nproc`` spawned ranks; returns each rank's result.
+
+    Args:
+        fn: a module-level function ``fn(cp: ContextParallel, *args)``.
+        nproc: ranks to start (``>= 1``).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank ``r`` on ``cuda:r``; needs
+            ``nproc`` visible GPUs). Inside ``fn``, put tensors on
+            :func:`rank_device` ``(device, cp)``.
+        threads: torch intra-op threads per rank (default: the CPU count split over
+            the ranks, at least 1).
+
+    Raises:
+        ValueError: bad ``nproc`` / ``device``, or fewer GPUs than ranks.
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback).
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if kind == "cuda":
+        have = torch.cuda.device_count()
+        if have < nproc:
+            raise ValueError(f"nproc ({nproc}) needs one CUDA device per rank; {have} visible")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+    backend = "nccl" if kind == "cuda" else "gloo"
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="streamkv-cp-") as tmp:
+        init = Path(tmp) / "rendezvous"
+        mp.spawn(_rank_main, args=(nproc, str(init), backend, threads, tmp, fn, args), nprocs=nproc, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def rank_device(device: str, cp: ContextParallel) -> torch.device:
+    """The device of rank ``cp.rank``: the CPU, or ``cuda:rank``."""
+    return torch.device("cuda", cp.rank) if torch.device(device).type == "cuda" else torch.device("cpu")
+
+
+def _rank_main(
+    rank: int, nproc: int, init: str, backend: str, threads: int, out_dir: str,
+    fn: Callable[..., Any], args: tuple[Any, ...],
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=nproc)
+    try:
+        result = fn(ContextParallel.from_group(), *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
