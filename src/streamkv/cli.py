@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("verify", "storage experiment: caches vs a whole-history reference on a layout grid"),
     "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
     "pareto": ("pareto", "mass budget vs fixed window: tau bound, Pareto, sink sweep, tail, falsifiers"),
+    "budget": ("budget", "the streaming mass-budget cache vs window, H2O and the oracle: error vs memory, holdout"),
 }
 
 
