@@ -31,13 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from ..experiments.rollout_compare import compare_rollouts
+    from ._common import console as make_console
     from ._common import versions, write_json
     from ._rollout_report import plot_runs, print_tables, progress_bar
 
-    console = Console()
+    console = make_console()
     kinds = available_caches() if args.compare else (args.cache,)
     if args.nproc != 1:
         return _run_context_parallel(args, kinds, console)
