@@ -113,6 +113,10 @@ class KVCache(abc.ABC):
     #: :meth:`observe_queries`; the last ones seen before ``commit_chunk`` (the clean
     #: pass) are the chunk's queries.
     observes_queries: ClassVar[bool] = False
+    #: Retains exactly ``[sinks | last window]`` (the same tokens as the chronological
+    #: path), so attention over it must equal the current path to rounding. Budgeted
+    #: caches keep other tokens: their outputs differ by design.
+    retains_window: ClassVar[bool] = True
 
     def __init__(
         self,

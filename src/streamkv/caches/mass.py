@@ -80,6 +80,7 @@ class MassBudgetCache(KVCache):
     valid_is_prefix = False
     graph_safe_writes = True
     observes_queries = True
+    retains_window = False
 
     def __init__(
         self,

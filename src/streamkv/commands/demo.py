@@ -1,5 +1,5 @@
 """``streamkv demo``: the main job — a streaming rollout on the embedded tiny model comparing
-every cache, with a progress bar, a table and a plot."""
+every cache (current path, ring, mass budget, H2O), with a progress bar, a table and a plot."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def run(args: argparse.Namespace) -> int:
     from . import rollout
 
     out = Path(args.out)
-    ns = argparse.Namespace(
-        cache="ring", compare=True, chunks=args.chunks, config="tiny", guidance=3.0, mode="eager",
-        device="cpu", seed=0, json=str(out / "demo.json"), plot=str(out / "demo.png"),
-    )
+    parser = argparse.ArgumentParser(prog="streamkv rollout")
+    rollout.add_arguments(parser)
+    ns = parser.parse_args([
+        "--compare", "--chunks", str(args.chunks), "--config", "tiny", "--threads", "1",
+        "--json", str(out / "demo.json"), "--plot", str(out / "demo.png"),
+    ])
     return rollout.run(ns)

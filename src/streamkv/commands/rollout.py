@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of latency and maintenance per chunk")
     p.add_argument("--tau", type=float, default=0.05, help="dropped-mass budget of the 'mass' cache (default 0.05)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; 1 is fastest for the tiny model)")
     p.add_argument(
         "--nproc", type=int, default=1,
         help="context-parallel ranks (Ulysses, gloo on CPU / NCCL on CUDA) started here; > 1 compares them "
@@ -37,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from ._rollout_report import plot_runs, print_tables, progress_bar
 
     console = make_console()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     kinds = available_caches() if args.compare else (args.cache,)
     if args.nproc != 1:
         return _run_context_parallel(args, kinds, console)

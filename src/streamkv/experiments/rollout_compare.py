@@ -38,6 +38,7 @@ class CacheRun:
     maintenance_ms: list[float]  # per DiT forward, per chunk
     peak_bytes: int
     cache_bytes: int
+    retains_window: bool = True  # same retained tokens as the current path: parity expected
     extra: dict[str, Any] = field(default_factory=dict)  # the cache's own report(), if any
 
     def summary(self) -> dict[str, Any]:
@@ -48,6 +49,7 @@ class CacheRun:
             "maintenance_ms_all": self.maintenance_ms,
             "peak_bytes": self.peak_bytes,
             "cache_bytes": self.cache_bytes,
+            "retains_window": self.retains_window,
             **self.extra,
         }
 
@@ -156,6 +158,7 @@ def compare_rollouts(
         report = getattr(rollout.caches["cond"], "report", None)
         runs[kind] = CacheRun(
             kind, stats.per_chunk_latency_ms(), stats.maintenance_per_step_ms(), int(peak), cache_bytes,
+            retains_window=type(rollout.caches["cond"]).retains_window,
             extra=report() if report is not None else {},
         )
     first = caches[0]
