@@ -237,7 +237,14 @@ def test_targets_verdicts():
     assert t["ring_over_floor"]["met"] is False
     assert t["ring_growth_63_over_21"]["met"] is True
     assert t["ring_transient_bytes"]["met"] is False and t["ring_transient_bytes"]["value"] == 8
+    assert not any(v["contended"] for v in t.values())
     assert all(v["met"] is None for v in evaluate_targets({}).values())
+    rec["timing"] = {"contended_included": {"ring": True, "floor": False, "flashdreams": False}}
+    t = evaluate_targets(rec)
+    assert t["ring_over_floor"]["contended"] and t["flashdreams_over_ring"]["contended"]
+    assert not t["ring_transient_bytes"]["contended"] and not t["ring_growth_63_over_21"]["contended"]
+    rec["scaling"].update(windows_frames=[21, 42, 63], contended_included={"ring": [False, False, True]})
+    assert evaluate_targets(rec)["ring_growth_63_over_21"]["contended"]
 
 
 def test_a_registered_section_lands_under_its_key(monkeypatch):

@@ -124,6 +124,8 @@ def _targets_table(rec: dict[str, Any]) -> Any:
         value = "-" if v is None else (f"{int(v):,} B" if key.endswith("bytes") else f"{v:.2f}x")
         thr = f"{int(tg['threshold'])} B" if key.endswith("bytes") else f"{tg['threshold']:g}x"
         met = {True: "[green]yes[/]", False: "[red]no[/]", None: "not measured"}[tg["met"]]
+        if tg.get("contended"):
+            met += " [yellow](contended: rerun on a quiet machine)[/]"
         t.add_row(tg["target"], value, thr, met)
     return t
 

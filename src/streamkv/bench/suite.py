@@ -255,14 +255,25 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
 
 
 def evaluate_targets(record: dict[str, Any]) -> dict[str, Any]:
-    """Each target's value, threshold and verdict (None: not measured in this run)."""
+    """Each target's value, threshold and verdict (``met`` None: not measured in this
+    run); ``contended`` is True when a timing behind the value had too few clean
+    samples (the verdict is then about a loaded machine, not the caches)."""
     scaling = record.get("scaling") or {}
     transient = (record.get("transient_bytes") or {}).get("ring")
+    included = (record.get("timing") or {}).get("contended_included") or {}
     values = {
         "flashdreams_over_ring": record.get("ratio_flashdreams_over_ring"),
         "ring_over_floor": record.get("ratio_ring_over_floor"),
         "ring_growth_63_over_21": (scaling.get("growth_63_over_21") or {}).get("ring"),
         "ring_transient_bytes": None if transient is None else transient["allocated_bytes"],
+    }
+    flagged = (scaling.get("contended_included") or {}).get("ring") or []
+    windows = scaling.get("windows_frames") or []
+    contended = {
+        "flashdreams_over_ring": bool(included.get("flashdreams") or included.get("ring")),
+        "ring_over_floor": bool(included.get("ring") or included.get("floor")),
+        "ring_growth_63_over_21": any(flagged[windows.index(w)] for w in (21, 63) if w in windows and flagged),
+        "ring_transient_bytes": False,
     }
     out = {}
     for key, text, threshold in TARGETS:
@@ -273,7 +284,8 @@ def evaluate_targets(record: dict[str, Any]) -> dict[str, Any]:
             met = v >= threshold
         else:
             met = v <= threshold
-        out[key] = {"target": text, "value": v, "threshold": threshold, "met": met}
+        out[key] = {"target": text, "value": v, "threshold": threshold, "met": met,
+                    "contended": contended[key] if v is not None else None}
     return out
 
 
