@@ -99,3 +99,29 @@ def test_verify_grid_physical_attention_within_rounding(dtype, tol):
         assert r.comparisons > 0
         assert r.identical == {"chronological": r.comparisons, "ring": r.comparisons}
         assert max(r.max_attention_diff.values()) < tol
+
+
+@pytest.mark.parametrize("dtype,k_dim", [(torch.bfloat16, 128), (torch.float16, 4), (torch.float32, 3), (torch.bfloat16, 3)])
+def test_ring_write_paths_are_bit_exact(dtype, k_dim):
+    """Rows that split into whole int64 words are written through an int64 view of the
+    same bytes; other rows through the dtype itself. Both must equal the current path."""
+    g = default_layouts()[7]
+    cap = g.sink + g.window
+    kw = dict(seq_dim=1, sink=g.sink, window=g.window, chunk=g.chunk, dtype=dtype)
+    ring = RingCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
+    chron = ChronologicalCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
+    assert (ring._k_wide is not None) == (k_dim * torch.finfo(dtype).bits // 8 % 8 == 0)
+    gen = torch.Generator().manual_seed(0)
+    for c in range(3 * cap // g.chunk):
+        k = torch.randn(2, g.chunk, 3, k_dim, generator=gen).to(dtype)
+        for cache in (ring, chron):
+            cache.begin_chunk(c)
+            cache.write(k, -k)
+            cache.commit_chunk(c)
+        assert torch.equal(ring.chronological_keys(), chron.chronological_keys())
+        assert torch.equal(ring.chronological_values(), chron.chronological_values())
+    # a non-contiguous chunk (last dim strided) still works, through the dtype path
+    wide = torch.randn(2, g.chunk, 3, 2 * k_dim, generator=gen).to(dtype)[..., ::2]
+    ring.begin_chunk(c + 1)
+    ring.write(wide, wide)
+    assert torch.equal(ring.keys().index_select(1, ring.write_slots), wide)

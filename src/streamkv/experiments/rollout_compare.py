@@ -7,8 +7,8 @@ peak memory, and the largest output difference against the first cache.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the timed run; on the CPU
 (which has no allocator statistics) the bytes held by weights, caches and prompt K/V
-plus the peak of transient allocations seen by the torch profiler in a second,
-profiled run of the same streams.
+plus the peak of transient allocations (torch profiler allocator events) during the last
+chunk of a second run of the same stream.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from statistics import median
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ..layout import CacheLayout
 from ..models import CausalVideoDiT, get_config
 from ..rollout import Schedule, StreamingRollout
 
-__all__ = ["CacheRun", "CompareResult", "compare_rollouts", "peak_transient_bytes"]
+__all__ = ["CacheRun", "CompareResult", "compare_rollouts"]
 
 PROMPTS = (("a red fox running through snow", "blurry"), ("a sailing boat at dusk", "low quality"))
 
@@ -69,23 +68,6 @@ class CompareResult:
         out["max_abs_diff"] = self.max_abs_diff
         out["output_scale"] = self.output_scale
         return out
-
-
-def peak_transient_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of bytes allocated minus bytes freed while ``fn`` runs (CPU), from torch
-    profiler memory events: each op's *self* allocation (an op's total would count its
-    children again) plus the raw ``[memory]`` events (mostly frees), in time order."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-
-    def delta(e) -> int:
-        return e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-
-    level = peak = 0
-    for e in sorted((e for e in prof.events() if delta(e)), key=lambda e: e.time_range.start):
-        level += delta(e)
-        peak = max(peak, level)
-    return peak
 
 
 def _streams(rollout: StreamingRollout, chunks: int, progress: Callable[[], None] | None) -> torch.Tensor:
@@ -152,7 +134,10 @@ def compare_rollouts(
             probe.set_prompt(prompt, negative if guidance > 1 else None, seed=1000)
             for _ in range(chunks - 1):
                 probe.generate_chunk()
-            peak = param_bytes + cache_bytes + cross_bytes + peak_transient_bytes(probe.generate_chunk)
+            from ..bench.measure import probe_transient
+
+            transient = probe_transient(probe.generate_chunk, dev, steps=1)
+            peak = param_bytes + cache_bytes + cross_bytes + transient.peak_bytes
         else:
             peak = 0
         report = getattr(rollout.caches["cond"], "report", None)
