@@ -470,9 +470,9 @@ def _enclosing_op(ops: list[Any], mem_event: Any) -> str:
 class WrittenBytes:
     """Bytes written by the aten ops of one call, by destination.
 
-    ``cache``: into the given K/V storages; ``temporary``: into other floating-point
-    tensors (clones, scratch); ``metadata``: into integer/bool tensors (slot tables,
-    positions); ``by_op``: all of it per aten op.
+    ``cache``: into the given K/V storages (through any view or dtype); ``temporary``:
+    into other floating-point tensors (clones, scratch); ``metadata``: into other
+    integer/bool tensors (slot tables, positions); ``by_op``: all of it per aten op.
     """
 
     cache: int
@@ -512,10 +512,10 @@ def count_written_bytes(fn: Callable[[], None], cache_tensors: Iterable[Tensor])
     def add(op: str, dest: Tensor, nbytes: int) -> None:
         if nbytes == 0:
             return
-        if not (dest.is_floating_point() or dest.is_complex()):
+        if dest.untyped_storage().data_ptr() in storages:
+            kind = "cache"  # whatever dtype the write sees it as (the ring writes through an int64 view)
+        elif not (dest.is_floating_point() or dest.is_complex()):
             kind = "metadata"
-        elif dest.untyped_storage().data_ptr() in storages:
-            kind = "cache"
         else:
             kind = "temporary"
         counts[kind] += nbytes
