@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
     "bench": ("bench", "benchmark: cache maintenance, bytes moved, transient memory, scaling vs window"),
     "pareto": ("pareto", "mass budget vs fixed window: tau bound, Pareto, sink sweep, tail, falsifiers"),
+    "certify": ("certify", "certified streaming attention: per-query bound on evicted mass and error, recall"),
     "budget": ("budget", "the streaming mass-budget cache vs window, H2O and the oracle: error vs memory, holdout"),
 }
 

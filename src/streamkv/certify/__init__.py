@@ -1,0 +1,49 @@
+"""Certified streaming attention: a run-time bound on what eviction costs every query, and
+recall from an offload tier when the bound exceeds a threshold.
+
+- :mod:`~streamkv.certify.bound` — the certificate (logit box bound -> evicted partition
+  bound -> dropped-mass bound -> per-channel output error bound), with the proof and the
+  floating-point allowance.
+- :mod:`~streamkv.certify.summary` — per (layer, head) block summaries of evicted tokens
+  (count, key box), grouping by key similarity, bounded memory by merging.
+- :mod:`~streamkv.certify.store` — the host offload store (pinned + non_blocking on CUDA).
+- :mod:`~streamkv.certify.cache` — :class:`CertifiedRingCache`, :class:`CertifiedMassCache`,
+  :class:`CertifiedCacheSet`, recall.
+- :mod:`~streamkv.certify.shadow` — the whole-history float64 reference that checks every
+  certificate.
+- :mod:`~streamkv.certify.synthetic`, :mod:`~streamkv.certify.experiment` — synthetic
+  video Q/K/V streams, the rollouts and the report behind ``streamkv certify``.
+
+Prior art: the per-channel min/max key box and its logit bound are Quest's page metadata
+(Tang et al., ICML 2024, arXiv 2406.10774), used there to rank pages for sparse reads. What
+is new here is the certificate on top of it — a deterministic bound, at run time, on the
+mass and the output error of tokens a streaming cache has *evicted*, for every query,
+and recall that keeps it under a threshold.
+"""
+
+from .bound import Certificate, certify
+from .cache import (
+    CERTIFIED_KINDS,
+    CertifiedCacheSet,
+    CertifiedMassCache,
+    CertifiedMixin,
+    CertifiedRingCache,
+    certified_attend,
+)
+from .shadow import HistoryCheck
+from .store import OffloadStore
+from .summary import BlockSummaries
+
+__all__ = [
+    "Certificate",
+    "certify",
+    "BlockSummaries",
+    "OffloadStore",
+    "CertifiedMixin",
+    "CertifiedRingCache",
+    "CertifiedMassCache",
+    "CertifiedCacheSet",
+    "CERTIFIED_KINDS",
+    "certified_attend",
+    "HistoryCheck",
+]
