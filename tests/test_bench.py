@@ -87,6 +87,10 @@ def test_bench_small_runs_and_writes_well_formed_json(tmp_path, capsys):
     assert set(sc["growth_63_over_21"]) >= {"current", "ring"}
     assert {t["met"] for t in rec["targets"].values()} <= {True, False, None}
     assert png.stat().st_size > 10_000
+    e2e = doc["end_to_end"]
+    for k in ("chronological", "ring"):
+        assert e2e[k]["chunk_latency_ms"] > 0 and 0 < e2e[k]["maintenance_share"] < 1
+    assert e2e["max_abs_diff"]["ring"] <= 1e-5 * e2e["output_scale"]
 
 
 def test_cli_rejects_cuda_without_cuda(capsys):

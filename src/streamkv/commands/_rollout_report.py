@@ -33,7 +33,7 @@ def print_tables(console: Console, result) -> None:
         f"mode {cfg['mode']}, {cfg['device']}; streams of {cfg['streams']} chunks (reset between); "
         f"first eviction at chunk {cfg['first_eviction_chunk']}, ring wraps {cfg['ring_wraps_first_stream']}x"
     )
-    table = Table(title="per cache (medians over chunks)")
+    table = Table(title="per cache (medians over the steady chunks: those that evict)")
     cols = ("cache", "chunk ms", "maint. ms/fwd", "maint. share", "peak MiB", "cache MiB", "max |diff|", "kind")
     for col in cols:
         table.add_column(col, justify="left" if col in ("cache", "kind") else "right", no_wrap=col in ("cache", "kind"))
@@ -41,8 +41,8 @@ def print_tables(console: Console, result) -> None:
     forwards = len(cfg["timesteps"]) + 1
     branches = 2 if cfg["guidance"] > 1 else 1
     for name, run in result.runs.items():
-        lat = median(run.chunk_latency_ms)
-        maint = median(run.maintenance_ms)
+        lat = run.steady_median(run.chunk_latency_ms)
+        maint = run.steady_median(run.maintenance_ms)
         share = maint * forwards * branches / lat if lat else float("nan")
         diff = "reference" if name == first else f"{result.max_abs_diff[name]:.2e}"
         if run.retains_window:

@@ -1,4 +1,6 @@
-"""``streamkv bench``: cache maintenance, bytes moved, transient memory and scaling."""
+"""``streamkv bench``: cache maintenance, bytes moved, transient memory and scaling, plus
+the end-to-end chunk latency of the tiny-DiT rollout per cache (same weights and noise)
+and the share of it spent in cache maintenance (JSON key ``end_to_end``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-scaling", action="store_true", help="skip the window-size sweep")
     p.add_argument("--write-kernels", action="store_true",
                    help="also time the ring's write kernel variants and slot plan apart")
+    p.add_argument("--no-end-to-end", action="store_true",
+                   help="skip the end-to-end tiny-DiT rollout per cache (latency, maintenance share)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         doc = run_bench(presets, options, progress=lambda msg: status.update(f"benchmark: {msg}"))
     doc["argv"] = ["streamkv", "bench", *_argv(args)]
     print_report(doc, console)
+    if not args.no_end_to_end:
+        doc["end_to_end"] = _end_to_end(args, console)
     if args.json:
         write_json(args.json, doc)
         console.print(f"wrote {args.json}")
@@ -60,4 +66,25 @@ def _argv(args: argparse.Namespace) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(v)]
     out += ["--no-scaling"] if args.no_scaling else []
     out += ["--write-kernels"] if args.write_kernels else []
+    out += ["--no-end-to-end"] if args.no_end_to_end else []
+    return out
+
+
+def _end_to_end(args: argparse.Namespace, console) -> dict:
+    """The tiny-DiT rollout through the current path and the ring: per-chunk latency and
+    the share spent in cache maintenance (eager, instrumented)."""
+    from ..bench.measure import threads
+    from ..experiments.rollout_compare import compare_rollouts
+    from ._rollout_report import print_tables
+
+    n = args.threads or 1  # the tiny model's ops are small: one thread is fastest
+    with console.status("end to end: tiny DiT rollout per cache"), threads(n):
+        result = compare_rollouts(("chronological", "ring"), config="tiny", device=args.device, guidance=3.0)
+    console.print(f"[bold]end to end[/] (the tiny DiT, {n} thread(s); cache maintenance is a small share at this size)")
+    print_tables(console, result)
+    out = result.to_json()
+    forwards = (len(out["config"]["timesteps"]) + 1) * 2
+    for kind in ("chronological", "ring"):
+        rec = out[kind]
+        rec["maintenance_share"] = rec["maintenance_ms"] * forwards / rec["chunk_latency_ms"]
     return out

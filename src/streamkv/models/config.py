@@ -87,6 +87,12 @@ CONFIGS: dict[str, DiTConfig] = {
         name="tiny", dim=64, heads=4, ffn=128, layers=2, text_dim=32, text_len=8,
         latent_h=8, latent_w=8, frames_per_chunk=2, window_frames=5, sink_frames=1, max_frames=64,
     ),
+    # the Self-Forcing window geometry (3-frame chunks, 21-frame window) at a CPU-sized
+    # width: where cache maintenance is a visible share of a chunk on a CPU
+    "small": DiTConfig(
+        name="small", dim=256, heads=4, ffn=512, layers=2, text_dim=64, text_len=16,
+        latent_h=24, latent_w=40, frames_per_chunk=3, window_frames=21, sink_frames=0, max_frames=1024,
+    ),
     # Wan 2.1 T2V 1.3B as run by Self-Forcing: 480x832 -> 60x104 latent -> 30x52 = 1,560
     # tokens per frame, 3-frame chunks, 21-frame window
     "wan2.1-1.3b": DiTConfig(
