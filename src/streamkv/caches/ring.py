@@ -102,8 +102,11 @@ class RingCache(KVCache):
         slots.add_(self._scratch.copy_(pos).clamp_(max=s))
 
     def _write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        # the int64 view helps the eager CPU kernel; a compiled step generates its own
+        # kernel (and cannot inspect a traced tensor's storage offset)
+        eager = not torch.compiler.is_compiling()
         for buf, wide, x in ((self._k, self._k_wide, k), (self._v, self._v_wide, v)):
-            if wide is not None and _int64_view(x) is not None:
+            if eager and wide is not None and _int64_view(x) is not None:
                 wide[layer].index_copy_(self.seq_dim, self._slots, x.view(torch.long))
             else:
                 buf[layer].index_copy_(self.seq_dim, self._slots, x)
