@@ -1,0 +1,200 @@
+#!/usr/bin/env python
+"""GPU check: what the CPU test suite cannot run. One prepared script, under five minutes
+on one GPU; prints a short table last and writes JSON.
+
+    python scripts/gpu_check.py --json out/gpu_check.json          # on a CUDA machine
+    python scripts/gpu_check.py --device cpu --quick               # smoke run of the same code
+
+Sections (each prints PASS/FAIL lines; the exit status is 1 if any check fails):
+
+1. graph replay of cache writes (flashinfer-style): capture a ring write for one chunk,
+   then ``begin_chunk`` the next chunk outside the graph, replay with new K/V, and compare
+   with an eager ring: replays must write the new slots (a Python slot baked into the
+   graph would keep writing the captured ones). Also the first eviction, wraps, a reset.
+2. rollouts: the tiny DiT with CFG, two streams (filling, first eviction, two wraps,
+   reset), ring and chronological, in eager, ``torch.compile`` and CUDA-graph modes:
+   every mode against eager ring, eager chronological against eager ring (fp32:
+   max |diff| <= 1e-5 of the output scale).
+3. benchmark (CUDA events): per-step cache maintenance of the current path, the ring,
+   flashdreams' BlockKVCache (if installed) and the copy floor at the ``self-forcing``
+   preset; chunk latency and peak allocated memory of the ``wan2.1-1.3b``-shaped rollout
+   (a few layers unless ``--full-model``) per cache and mode.
+
+On the CPU (``--device cpu``) graphs are skipped (printed as SKIP) and compile uses the
+``aot_eager`` backend with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from streamkv import RingCache  # noqa: E402
+from streamkv.models import CausalVideoDiT, get_config  # noqa: E402
+from streamkv.rollout import StreamingRollout  # noqa: E402
+
+RESULTS: list[tuple[str, str, str]] = []  # (check, status, detail)
+
+
+def record(name: str, ok: bool | None, detail: str) -> None:
+    status = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+    RESULTS.append((name, status, detail))
+    print(f"[{status}] {name}: {detail}", flush=True)
+
+
+# --------------------------------------------------------------------------- 1
+def check_graph_replay(device: torch.device) -> None:
+    if device.type != "cuda":
+        record("graph replay of ring writes", None, "needs CUDA")
+        return
+    S, W, C, H, D = 3, 7, 3, 4, 16
+    shape = (1, S + W, H, D)
+    graphed = RingCache(shape, shape, seq_dim=1, sink=S, window=W, chunk=C, device=device)
+    eager = RingCache(shape, shape, seq_dim=1, sink=S, window=W, chunk=C, device=device)
+    static_k = torch.zeros(1, C, H, D, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    graph = None
+    worst = 0.0
+    for stream in range(2):
+        for c in range(9):  # filling, the first eviction, wraps
+            for cache in (graphed, eager):
+                cache.begin_chunk(c)
+            k = torch.randn(1, C, H, D, device=device, generator=gen)
+            eager.write(k, k * 2)
+            static_k.copy_(k)
+            if graph is None:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    graphed.write(static_k, static_k * 2)
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    graphed.write(static_k, static_k * 2)
+            graph.replay()
+            for cache in (graphed, eager):
+                cache.commit_chunk(c)
+            worst = max(worst, float((graphed.keys() - eager.keys()).abs().max()))
+        for cache in (graphed, eager):
+            cache.reset()
+    record("graph replay of ring writes", worst == 0.0, f"max |graphed - eager| over 2 streams x 9 chunks = {worst:.1e}")
+
+
+# --------------------------------------------------------------------------- 2
+def _streams(r: StreamingRollout, chunks: int) -> torch.Tensor:
+    r.set_prompt("a red fox running through snow", "blurry", seed=1)
+    a = r.run(chunks)
+    r.set_prompt("a sailing boat at dusk", "low quality", seed=2)
+    return torch.cat([a, r.run(max(1, chunks // 2))], dim=2)
+
+
+def check_rollouts(device: torch.device, quick: bool) -> dict:
+    model = CausalVideoDiT(get_config("tiny"), seed=0).to(device).eval()
+    ref = _streams(StreamingRollout(model, cache="ring", guidance=3.0), 8)
+    scale = float(ref.abs().max())
+    out = {}
+    modes = ["eager", "compile", "graph"]
+    for kind in ("ring", "chronological"):
+        for mode in modes:
+            if mode == "graph" and device.type != "cuda":
+                record(f"rollout {kind}/{mode}", None, "needs CUDA")
+                continue
+            backend = "aot_eager" if (quick and device.type != "cuda") else "inductor"
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            r = StreamingRollout(model, cache=kind, guidance=3.0, mode=mode, compile_backend=backend)
+            got = _streams(r, 8)
+            diff = float((got - ref).abs().max())
+            out[f"{kind}/{mode}"] = {"max_abs_diff": diff, "seconds": time.perf_counter() - t0}
+            record(f"rollout {kind}/{mode} vs eager ring", diff <= 1e-5 * scale,
+                   f"max |diff| {diff:.2e} (scale {scale:.3f}; bound {1e-5 * scale:.1e})")
+    return out
+
+
+# --------------------------------------------------------------------------- 3
+def bench_maintenance(device: torch.device, quick: bool) -> dict:
+    """Per-step maintenance of every cache at a preset, timed with CUDA events (the bench's
+    instruments), plus transient allocations of a steady ring step."""
+    from streamkv.bench import PRESETS, measure_maintenance
+
+    preset = PRESETS["small" if quick else "self-forcing"]
+    r = measure_maintenance(preset, device, repeats=10 if quick else 50)
+    med = {k: (None if s is None else s.median) for k, s in r.stats.items()}
+    ring_alloc = r.transient["ring"].allocated_bytes if "ring" in r.transient else None
+    fd = med.get("flashdreams")
+    detail = (
+        f"{preset.name}: current {med.get('current'):.3f} ms, ring {med['ring']:.3f} ms, floor {med['floor']:.3f} ms"
+        + (f", flashdreams {fd:.3f} ms" if fd else ", flashdreams not installed")
+        + f"; ring transient {ring_alloc} B"
+    )
+    record("maintenance per step and layer", ring_alloc == 0, detail)
+    return {"preset": preset.name, "median_ms": med, "ring_transient_bytes": ring_alloc, "notes": r.notes}
+
+
+def bench_rollout(device: torch.device, quick: bool, full_model: bool) -> dict:
+    cfg = get_config("tiny" if quick else "wan2.1-1.3b")
+    if not quick and not full_model:
+        cfg = replace(cfg, layers=4)  # the real per-layer shape, fewer layers, to fit the time budget
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = CausalVideoDiT(cfg, seed=0).to(device=device, dtype=dtype).eval()
+    chunks = 3 if quick else cfg.window_frames // cfg.frames_per_chunk + 3  # past the first eviction
+    rows = {}
+    for kind in ("chronological", "ring"):
+        for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            r = StreamingRollout(model, cache=kind, guidance=1.0, mode=mode)
+            r.set_prompt("a red fox", seed=1)
+            r.run(chunks)
+            lat = sorted(c.latency_s for c in r.stats.chunks[-3:])
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            rows[f"{kind}/{mode}"] = {"chunk_latency_ms": 1e3 * lat[len(lat) // 2], "peak_bytes": int(peak),
+                                      "cache_bytes": r.caches.nbytes}
+            record(f"rollout latency {kind}/{mode}", True,
+                   f"{cfg.name} x{cfg.layers} layers: median of last 3 chunks {rows[f'{kind}/{mode}']['chunk_latency_ms']:.1f} ms, "
+                   f"peak {peak / 2**30:.2f} GiB")
+            del r
+    return {"config": cfg.to_dict(), "chunks": chunks, "rows": rows}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    p.add_argument("--full-model", action="store_true", help="all 30 layers of the Wan 1.3B shape")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (use --device cpu --quick for a smoke run)")
+        return 0
+    t0 = time.perf_counter()
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    check_graph_replay(device)
+    report = {"rollouts": check_rollouts(device, args.quick)}
+    report["maintenance"] = bench_maintenance(device, args.quick)
+    report["rollout_latency"] = bench_rollout(device, args.quick, args.full_model)
+    report["checks"] = [{"check": n, "status": s, "detail": d} for n, s, d in RESULTS]
+    report["seconds"] = time.perf_counter() - t0
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print("\n| check | status | detail |\n|---|---|---|")
+    for n, s, d in RESULTS:
+        print(f"| {n} | {s} | {d} |")
+    print(f"total {report['seconds']:.0f} s")
+    return 1 if any(s == "FAIL" for _, s, _ in RESULTS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
