@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from streamkv.bench.peers import load_block_kv_cache
 from streamkv.caches import KVCache
 
 # The suite is made of many tiny ops; one intra-op thread avoids thread-pool contention
@@ -52,23 +51,9 @@ def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
             assert a[0] == b[0], f"{name}: {a[0]!r} -> {b[0]!r}"
 
 
-def load_flashdreams_block_kv_cache() -> type | None:
-    """flashdreams 0.1.0's BlockKVCache, loaded by file path (its package __init__ needs CUDA kernels)."""
-    spec = importlib.util.find_spec("flashdreams")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "core" / "attention" / "kvcache.py"
-    if not path.exists():
-        return None
-    mod_spec = importlib.util.spec_from_file_location("_flashdreams_kvcache", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module.BlockKVCache
-
-
 @pytest.fixture(scope="session")
 def BlockKVCache() -> type:
-    cls = load_flashdreams_block_kv_cache()
+    cls = load_block_kv_cache()
     if cls is None:
         pytest.fail("flashdreams 0.1.0 is a test dependency (make test installs it with --no-deps)")
     return cls
