@@ -2,7 +2,6 @@
 float64 reference, with the ring and the mass-budget cache, summaries merged, recall on, and
 the tiny DiT."""
 
-
 import pytest
 import torch
 
@@ -155,7 +154,8 @@ def test_certificate_step_does_not_synchronise(monkeypatch):
 def test_synthetic_rollouts_ring_and_mass():
     qkv = QKVConfig(frames=24, keyframes=(0, 8, 16), heads=4, layers=1)
     for cache in ("ring", "mass"):
-        r = run_synthetic(RunConfig(cache=cache, summary=SummaryOptions(pool_events=4)), qkv, check_storage=True)
+        r = run_synthetic(RunConfig(cache=cache, summary=SummaryOptions(pool_events=4, block_tokens=32)), qkv,
+                          check_storage=True)
         assert r["violations"] == 0 and r["count_mismatch"] == 0 and r["storage_mismatch"] == 0
         assert r["nontrivial"] > 1000
         assert r["summary_bytes_ratio"] <= 0.03
@@ -253,3 +253,26 @@ def test_the_reference_catches_a_summary_that_misses_tokens(monkeypatch):
     _drive(cache, 16, torch.Generator().manual_seed(7), scale=3.0)
     r = mon.result()
     assert r["count_mismatch"] > 0 and r["violations"] > 0
+
+
+@pytest.mark.parametrize("sink,window,chunk", [(2, 5, 3), (0, 6, 3), (3, 7, 2), (1, 4, 4), (5, 5, 5), (0, 5, 1)])
+def test_ring_evicted_rows_are_the_announced_ones(sink, window, chunk):
+    """The ring's sync-free arithmetic (the chunk's last rows evict) names exactly the slots and
+    positions the eviction event announces."""
+    cap = sink + window
+    cache = CertifiedRingCache((1, cap, 2, 6), (1, cap, 2, 6), seq_dim=1, sink=sink, window=window, chunk=chunk)
+    seen = []
+
+    def listener(ev):
+        rows, mask, pos, counts = cache._evicted_rows(ev, 0)
+        assert sorted(rows.tolist()) == sorted(ev.evicted.nonzero().squeeze(1).tolist())
+        assert sorted(pos[0].tolist()) == sorted(ev.cache.slot_positions[ev.evicted].tolist())
+        assert counts == [rows.numel()] * 2 and bool(mask.all())
+        seen.append(ev.chunk_idx)
+
+    cache.add_eviction_listener(listener)
+    for c in range(15):
+        cache.begin_chunk(c)
+        cache.write(torch.zeros(1, chunk, 2, 6), torch.zeros(1, chunk, 2, 6))
+        cache.commit_chunk(c)
+    assert seen

@@ -42,6 +42,9 @@ Scope and limits:
   ring's eviction bookkeeping is sync-free; the mass cache's syncs once per layer per commit
   (its evicted rows are data-dependent; the mass cache syncs at commit anyway).
 - State dicts are refused (summaries and the store are not serialised).
+- Eager execution: the certificate and recall run host-side Python inside
+  :meth:`observe_queries` (between the write and attention), which a compiled
+  ``fullgraph`` step or a captured CUDA graph cannot contain.
 """
 
 from __future__ import annotations
@@ -189,6 +192,15 @@ class CertifiedMixin:
             base = base.expand(self.heads_, -1)
         return torch.cat([base, self._rpos[layer]], dim=-1)
 
+    def main_slot_positions(self, layer: int | None = None) -> Tensor:
+        """Positions of the base cache's own slots (recall slots excluded)."""
+        return super().layer_slot_positions(self._check_layer(layer))
+
+    def recall_slots_in_use(self) -> int:
+        """Most recall slots any (layer, head) holds now (host bookkeeping)."""
+        return max((sum(n for _, n, _ in segs.values()) for per_layer in self._recalled for segs in per_layer),
+                   default=0)
+
     @property
     def all_valid(self) -> bool:
         return False if self.recall_slots else super().all_valid
@@ -226,20 +238,32 @@ class CertifiedMixin:
             self.monitor.on_write(self, layer, k, v)
 
     # ------------------------------------------------------------ eviction
-    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(rows [n] slots, mask [H, n], positions [H, n])`` of an event for ``layer``."""
+    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """``(rows [n] slots, mask [H, n], positions [H, n], per-head counts)`` of an event for
+        ``layer``: the slots holding evicted tokens, which heads evict each, and what they hold."""
         raise NotImplementedError
 
     def _summarise_eviction(self, ev: EvictionEvent) -> None:
         for layer in ev.layers:
-            rows, mask, positions = self._evicted_rows(ev, layer)
+            rows, mask, positions, counts = self._evicted_rows(ev, layer)
             if rows.numel() == 0:  # nothing left this layer (mass cache: the budget evicted nothing)
                 continue
             k = self._k[layer].index_select(1, rows)  # [B, n, H, D]
             v = self._v[layer].index_select(1, rows)
             eid = self.store.next_id(layer)
-            labels = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
-            self.store.put(layer, eid, k, v, positions, mask, labels)
+            # the store keeps exactly the evicted (token, head) pairs, head-major
+            if all(c == rows.numel() for c in counts):  # every head evicts every row (ring)
+                B, n, H = k.shape[0], k.shape[1], k.shape[2]
+                pk = k.transpose(1, 2).reshape(B, H * n, -1)
+                pv = v.transpose(1, 2).reshape(B, H * n, -1)
+                pp = positions.reshape(-1)
+            else:
+                hh, rr = mask.nonzero(as_tuple=True)  # head-major order
+                pk, pv, pp = k[:, rr, hh], v[:, rr, hh], positions[hh, rr]
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + c)
+            self.store.put(layer, eid, pk, pv, pp, offsets)
             self.summaries[layer].add(eid, k.transpose(1, 2), v.transpose(1, 2), mask,
                                       keys_of=lambda events, layer=layer: self.store.keys_of(layer, events),
                                       invalidate=lambda uids, layer=layer: self._invalidate(layer, uids))
@@ -412,15 +436,21 @@ class CertifiedMixin:
 
 class CertifiedRingCache(CertifiedMixin, RingCache):
     """:class:`~streamkv.caches.RingCache` + certificate, offload and recall (see the module
-    docstring). Eviction bookkeeping needs no host sync: the evicted rows are the new chunk's
-    write slots (a device tensor)."""
+    docstring). Eviction bookkeeping needs no host sync: which positions leave, and from which
+    slots, is layout arithmetic on the host."""
 
-    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        rows = self._slots.clone()  # the slots the new chunk takes over
-        m = ev.evicted.index_select(0, rows)  # [C]: was the slot occupied
+    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        # row i of the new chunk (position end + i) takes the slot of position end + i - window,
+        # which was retained iff end + i - window >= sink: the chunk's last rows evict
+        L = self.layout
+        end = L.chunk_start(ev.chunk_idx)
+        i0 = max(0, L.sink + L.window - end)
+        rows = self._slots[i0:].clone()  # device slots, host-known count: no sync
+        n = L.chunk - i0
         pos = self._slot_pos.index_select(0, rows)
         H = self.heads_
-        return rows, m.expand(H, -1).clone(), pos.expand(H, -1).clone()
+        mask = torch.ones((H, n), dtype=torch.bool, device=self.device)
+        return rows, mask, pos.expand(H, -1).clone(), [n] * H
 
 
 class CertifiedMassCache(CertifiedMixin, MassBudgetCache):
@@ -430,12 +460,12 @@ class CertifiedMassCache(CertifiedMixin, MassBudgetCache):
 
     observes_base_queries = True
 
-    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _evicted_rows(self, ev: EvictionEvent, layer: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
         ev_mask = ev.evicted  # [H, cap]
         rows = ev_mask.any(0).nonzero().squeeze(1)  # syncs (ragged per head); the commit syncs anyway
         mask = ev_mask.index_select(1, rows)
         pos = self._slot_pos[layer].index_select(1, rows)
-        return rows, mask, pos
+        return rows, mask, pos, mask.sum(-1).tolist()
 
 
 CERTIFIED_KINDS: dict[str, type[KVCache]] = {"ring": CertifiedRingCache, "mass": CertifiedMassCache}

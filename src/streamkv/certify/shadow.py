@@ -53,6 +53,8 @@ class StepRecord:
     cert_err_max: Any = 0.0
     true_mass_max: Any = 0.0
     cert_mass_max: Any = 0.0
+    oracle_recall: int = 0  # max over the step's attention steps and heads
+    recall_in_use: int = 0
     log_ratios: list[Tensor] = field(default_factory=list)
     log_z_ratios: list[Tensor] = field(default_factory=list)
     log_masses: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (log m_hat, log m) per row
@@ -67,7 +69,11 @@ class HistoryCheck:
         keep_rows: keep every nontrivial row's ``(log m_hat, log m)`` pair (for plots).
         tau: also count rows whose certified error exceeds ``tau`` times their value gap
             (``error > tau * gap`` in some channel, equivalently ``m_hat > tau``): the recall
-            guarantee says there are none.
+            guarantee says there are none. And measure the *oracle recall*: per step and head,
+            the fewest tokens evicted from the base cache's own slots that an oracle knowing
+            the true attention would have to bring back so that every query's true dropped
+            mass is ``<= tau`` (tokens taken in order of their largest attention over the
+            step's queries) — the floor that certified recall is compared with.
     """
 
     def __init__(self, *, check_storage: bool = False, keep_rows: bool = False, tau: float | None = None) -> None:
@@ -162,6 +168,7 @@ class HistoryCheck:
         self._acc("nontrivial", nontrivial.sum(), "sum")
         if self.tau is not None:
             self._acc("over_tau", ((cert.error > self.tau * cert.gap).any(-1) | (cert.mass > self.tau)).sum(), "sum")
+            self._oracle(cache, layer, s, N)
         self.rows += B * H * Q
         st = self.steps[-1]
         st.rows += B * H * Q
@@ -183,6 +190,27 @@ class HistoryCheck:
         self._acc("cert_err_max", cert.error.amax() if cert.error.numel() else zero, "max")
         self._acc("true_err_max", err.amax() if err.numel() else zero, "max")
         self._acc("cert_mass_max", cert.mass.amax(), "max")
+
+    def _oracle(self, cache, layer: int, s: Tensor, N: int) -> None:
+        """Oracle recall need of this step (see the class docstring); one host read per step."""
+        H = s.shape[1]
+        pos = cache.main_slot_positions(layer)
+        if pos.dim() == 1:
+            pos = pos.expand(H, -1)
+        kept = torch.zeros((H, N + 1), dtype=torch.bool, device=s.device)
+        kept.scatter_(1, torch.where(pos >= 0, pos, N).clamp(max=N), True)
+        kept = kept[:, :N]
+        p = torch.softmax(s, -1) * (~kept).view(1, H, 1, N)  # full-history mass on evicted tokens
+        score = p.amax(dim=(0, 2))  # [H, N]
+        order = score.argsort(-1, descending=True)
+        ps = p.gather(-1, order.view(1, H, 1, N).expand_as(p))
+        rem = ps.flip(-1).cumsum(-1).flip(-1)  # rem[k] = mass left after recalling the first k
+        rem = torch.cat([rem, torch.zeros_like(rem[..., :1])], -1)
+        ok = (rem <= self.tau).all(dim=2).all(dim=0)  # [H, N + 1]
+        need = torch.where(ok, torch.arange(N + 1, device=s.device), N + 1).amin(-1).amax()
+        st = self.steps[-1]
+        st.oracle_recall = max(st.oracle_recall, int(need))
+        st.recall_in_use = max(st.recall_in_use, cache.recall_slots_in_use())
 
     def _check_storage(self, cache, layer: int, pos: Tensor, N: int) -> None:
         kx = cache.keys(layer).transpose(1, 2).double()  # [B, H, S, D]
@@ -217,11 +245,34 @@ class HistoryCheck:
         if self.tau is not None:
             out["tau"] = self.tau
             out["over_tau"] = acc.get("over_tau", 0)
+            out["oracle_recall_peak"] = max((st.oracle_recall for st in self.steps), default=0)
+            out["recall_in_use_peak"] = max((st.recall_in_use for st in self.steps), default=0)
         out.update(tightness_stats(ratios))
+        out["tightness_by_true_mass"] = self.tightness_by_true_mass()
         zr = self.log_z_ratios()
         z = tightness_stats(zr)
         out["partition_ratio_median"] = z["tightness_median"]
         out["partition_ratio_p95"] = z["tightness_p95"]
+        return out
+
+    def tightness_by_true_mass(self, edges: tuple[float, ...] = (0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0)) -> list[dict[str, Any]]:
+        """``m_hat / m`` and ``m_hat`` (median, p95) per bucket of the true dropped mass ``m``:
+        the looseness is relative, so it matters where ``m`` is small."""
+        pairs = [p for st in self.steps for p in st.log_masses]
+        if not pairs:
+            return []
+        lmh = torch.cat([a.detach().cpu() for a, _ in pairs])
+        lm = torch.cat([b.detach().cpu() for _, b in pairs])
+        m = lm.exp()
+        out = []
+        for lo, hi in zip(edges, edges[1:]):
+            sel = (m >= lo) & ((m < hi) if hi < 1.0 else (m <= hi))
+            if not sel.any():
+                continue
+            r, mh = (lmh - lm)[sel], lmh[sel]
+            out.append({"true_mass": [lo, hi], "rows": int(sel.sum()),
+                        "ratio_median": float(r.quantile(0.5).exp()), "ratio_p95": float(r.quantile(0.95).exp()),
+                        "cert_mass_median": float(mh.quantile(0.5).exp()), "cert_mass_p95": float(mh.quantile(0.95).exp())})
         return out
 
     def log_z_ratios(self) -> Tensor:
@@ -254,6 +305,7 @@ class HistoryCheck:
                 "true_err_max": float(st.true_err_max), "cert_err_max": float(st.cert_err_max),
                 "true_mass_max": float(st.true_mass_max), "cert_mass_max": float(st.cert_mass_max),
                 "tightness_median": t["tightness_median"], "tightness_p95": t["tightness_p95"],
+                "oracle_recall": st.oracle_recall, "recall_in_use": st.recall_in_use,
                 "true_mass_median": med(lm) if st.log_masses else math.nan,
                 "cert_mass_median": med(lmh) if st.log_masses else math.nan,
             })

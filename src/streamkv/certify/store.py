@@ -1,20 +1,23 @@
 """The offload store: evicted K/V kept in host memory, by eviction event, for recall.
 
-Each eviction event of a layer becomes one entry: the evicted rows' keys ``[B, n, H, D]``,
-values ``[B, n, H, Dv]``, positions ``[H, n]``, and per head which rows it evicted
-(``mask [H, n]``) and their group (``labels [H, n]``, see
-:class:`~streamkv.certify.summary.BlockSummaries`). A block's tokens for head ``h`` are the
-rows of its events with ``mask[h]`` set and ``labels[h]`` equal to the block's group.
+Each eviction event of a layer becomes one entry holding exactly the evicted
+``(token, head)`` pairs, head-major (no row is stored for a head that kept it)::
+
+    keys      [B, P, D]     P = sum over heads of the tokens that head evicted
+    values    [B, P, Dv]
+    positions [P] int64     stream positions
+    labels    [P] int64     block group within the event's summary set (regrouping rewrites it)
+    offsets   H + 1 ints    head h owns pairs [offsets[h], offsets[h + 1])  (host list)
 
 Device to host: on CUDA the entry is allocated in pinned (page-locked) host memory and
 filled with ``copy_(..., non_blocking=True)``: the copy is queued on the current stream
 after the kernels that produced the rows and before the ones that overwrite their slots,
 so no synchronisation is needed; a CUDA event marks its completion and is waited on only
-when the host itself reads the entry (the recall plan). Host to device (recall) stages
-the gathered rows in pinned memory and copies them ``non_blocking``; the staging buffers
-are kept alive until their copy's event has completed. On a CPU cache the "host" copy is
-a plain clone (the bytes are still reported as offloaded: it is the data a GPU run would
-move).
+when the host itself reads the entry (a regroup or a recall). Host to device (recall)
+stages the gathered rows in pinned memory and copies them ``non_blocking``; the staging
+buffers are kept alive until their copy's event has completed. On a CPU cache the "host"
+copy is a plain clone (the bytes are still reported as offloaded: it is the data a GPU run
+would move).
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ __all__ = ["OffloadStore", "StoreEntry"]
 
 @dataclass
 class StoreEntry:
-    keys: Tensor  # [B, n, H, D] host
-    values: Tensor  # [B, n, H, Dv] host
-    positions: Tensor  # [H, n] int64 host (a slot holds different positions per head in the mass cache)
-    mask: Tensor  # [H, n] bool host
-    labels: Tensor  # [H, n] int64 host
+    keys: Tensor  # [B, P, D] host
+    values: Tensor  # [B, P, Dv] host
+    positions: Tensor  # [P] int64 host
+    labels: Tensor  # [P] int64 host
+    offsets: list[int]  # H + 1
     ready: object | None = None  # torch.cuda.Event on CUDA
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.mask.nbytes + self.labels.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.positions.nbytes + self.labels.nbytes
+
+    def head(self, h: int) -> slice:
+        return slice(self.offsets[h], self.offsets[h + 1])
 
 
 class OffloadStore:
@@ -71,15 +77,18 @@ class OffloadStore:
         """The id the next :meth:`put` for ``layer`` will use."""
         return self._next_id.get(layer, 0)
 
-    def put(self, layer: int, eid: int, keys: Tensor, values: Tensor, positions: Tensor, mask: Tensor,
-            labels: Tensor) -> None:
-        """Offload one event's rows (device tensors) as event ``eid`` (from :meth:`next_id`)."""
+    def put(self, layer: int, eid: int, keys: Tensor, values: Tensor, positions: Tensor, offsets: list[int]) -> None:
+        """Offload one event's evicted pairs (device tensors, head-major, see the module
+        docstring) as event ``eid`` (from :meth:`next_id`)."""
         if eid != self.next_id(layer):
             raise ValueError(f"event ids of layer {layer} must be consecutive: expected {self.next_id(layer)}, got {eid}")
+        P = keys.shape[1]
+        if offsets[-1] != P or positions.shape != (P,):
+            raise ValueError(f"offsets end at {offsets[-1]} and positions have {tuple(positions.shape)}; keys hold {P}")
         self._next_id[layer] = eid + 1
         entry = StoreEntry(
             keys=self._to_host(keys), values=self._to_host(values), positions=self._to_host(positions),
-            mask=self._to_host(mask), labels=self._to_host(labels),
+            labels=torch.zeros(P, dtype=torch.long), offsets=list(offsets),
         )
         if self.cuda:  # pragma: no cover - needs a GPU
             ev = torch.cuda.Event()
@@ -92,6 +101,16 @@ class OffloadStore:
         if entry.ready is not None:  # pragma: no cover - needs a GPU
             entry.ready.synchronize()
 
+    def keys_of(self, layer: int, events: list[int]) -> list[list[tuple[Tensor, Tensor]]]:
+        """Per event, per head: ``(keys [B, n_h, D], labels [n_h])`` host tensors; the labels
+        are views of the entry's own tensor, so a regroup writes the new groups through them."""
+        out = []
+        for eid in events:
+            e = self.entries[(layer, eid)]
+            self._wait(e)
+            out.append([(e.keys[:, e.head(h)], e.labels[e.head(h)]) for h in range(len(e.offsets) - 1)])
+        return out
+
     def gather(self, layer: int, events: list[int], group: int, head: int) -> tuple[Tensor, Tensor, Tensor]:
         """Host tensors of one block's tokens for ``head``: keys ``[B, n, D]``, values
         ``[B, n, Dv]``, positions ``[n]`` (events in order)."""
@@ -99,21 +118,12 @@ class OffloadStore:
         for eid in events:
             e = self.entries[(layer, eid)]
             self._wait(e)
-            rows = e.mask[head] & (e.labels[head] == group)
-            ks.append(e.keys[:, rows, head])
-            vs.append(e.values[:, rows, head])
-            ps.append(e.positions[head, rows])
+            sl = e.head(head)
+            rows = e.labels[sl] == group
+            ks.append(e.keys[:, sl][:, rows])
+            vs.append(e.values[:, sl][:, rows])
+            ps.append(e.positions[sl][rows])
         return torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(ps)
-
-    def keys_of(self, layer: int, events: list[int]) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """``(keys [B, n, H, D], mask [H, n], labels [H, n])`` host tensors of ``events`` (the
-        labels are the entry's own tensor: a regroup writes the new groups into it)."""
-        out = []
-        for eid in events:
-            e = self.entries[(layer, eid)]
-            self._wait(e)
-            out.append((e.keys, e.mask, e.labels))
-        return out
 
     def to_device(self, t: Tensor) -> Tensor:
         """Copy a host tensor to the cache device (pinned + non_blocking on CUDA)."""

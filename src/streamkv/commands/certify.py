@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="storage dtype of the key boxes (rounded outward), default float16")
     p.add_argument("--pool-events", type=int, default=8,
                    help="eviction events regrouped together by key similarity (0: consecutive blocks), default 8")
-    p.add_argument("--block-tokens", type=int, default=32, help="target tokens per summary block, default 32")
+    p.add_argument("--block-tokens", type=int, default=24, help="target tokens per summary block, default 24")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="bound the summary blocks per layer by merging the oldest (default: unbounded)")
     p.add_argument("--dit-chunks", type=int, default=None, help="chunks of the DiT rollout (default: its horizon, 32)")
@@ -76,10 +76,12 @@ def run(args: argparse.Namespace) -> int:
         )
 
     for name, r in result["runs"].items():
-        t = Table(title=f"{name}: {args.cache} cache{' + recall (tau=%g)' % args.tau if args.recall else ''} — "
-                        f"per step: certified vs true (max over the step's rows), memory in KiB")
-        for c in ("step", "rows", "viol", "true err", "cert err", "true m", "cert m", "m_hat/m med", "recalled",
-                  "kept K/V", "recall K/V", "summaries", "offloaded", "summ/KV"):
+        t = Table(title=f"{name}: {args.cache} cache{' + recall (tau=%g)' % args.tau if args.recall else ''}, per "
+                        f"step. err, m: max over the step's rows; m_hat/m: median; recalled: (token, head) "
+                        f"pairs brought back; in use / oracle: tokens per head (oracle: fewest an exact recall needs for m <= {args.tau:g}); kept, recall "
+                        f"(K/V slots), summ(aries), offl(oaded K/V): KiB")
+        for c in ("step", "rows", "viol", "true err", "cert err", "true m", "cert m", "m_hat/m", "recalled",
+                  "in use", "oracle", "kept", "recall", "summ", "offl", "summ/KV"):
             t.add_column(c, justify="right", no_wrap=True)
         for i, st in enumerate(r["steps"]):
             if i % args.every and i != len(r["steps"]) - 1:
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             t.add_row(str(st["chunk"]), str(st["rows"]), str(st["violations"]), _e(st["true_err_max"]),
                       _e(st["cert_err_max"]), _e(st["true_mass_max"]), _e(st["cert_mass_max"]),
                       "-" if st["tightness_median"] != st["tightness_median"] else f"{st['tightness_median']:.2f}",
-                      str(st["recalled_tokens"]), _kib(st["kept_kv_bytes"]), _kib(st["recall_kv_bytes"]),
+                      str(st["recalled_tokens"]), str(st["recall_in_use"]), str(st["oracle_recall"]),
+                      _kib(st["kept_kv_bytes"]), _kib(st["recall_kv_bytes"]),
                       _kib(st["summary_bytes"]), _kib(st["offloaded_kv_bytes"]),
                       f"{100 * st['summary_bytes_ratio']:.2f}%")
         console.print(t)
@@ -110,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
         ("recall events (steps)", "recall_events", str),
         ("recalled tokens (x heads)", "recalled_tokens", str),
         ("recall slots used (peak) / capacity", None, None),
+        ("oracle recall need (peak tokens/head)", "oracle_recall_peak", str),
         ("recall shortfalls", "recall_shortfalls", str),
-        ("rows over tau", "over_tau", str),
+        (f"rows with m_hat > tau={args.tau:g}", "over_tau", str),
         ("max true error", "true_err_max", _e),
         ("max certified error", "cert_err_max", _e),
         ("wall (s)", "wall_s", lambda x: f"{x:.1f}"),
@@ -119,10 +123,17 @@ def run(args: argparse.Namespace) -> int:
     for label, key, fmt in rows:
         if key is None:
             t.add_row(label, *[f"{r['recall_peak_slots_used']} / {r['recall_slots']}" for r in result["runs"].values()])
-        elif key == "over_tau" and not args.recall:
-            continue
         else:
             t.add_row(label, *[fmt(r.get(key)) if r.get(key) is not None else "-" for r in result["runs"].values()])
+    console.print(t)
+    t = Table(title="tightness by true dropped mass m (rows with evicted tokens): m_hat / m and m_hat")
+    for c in ("rollout", "true m", "rows", "m_hat/m median", "m_hat/m p95", "m_hat median", "m_hat p95"):
+        t.add_column(c, justify="right")
+    for name, r in result["runs"].items():
+        for b in r.get("tightness_by_true_mass", []):
+            t.add_row(name, f"[{b['true_mass'][0]:g}, {b['true_mass'][1]:g})", str(b["rows"]),
+                      f"{b['ratio_median']:.3g}", f"{b['ratio_p95']:.3g}", f"{b['cert_mass_median']:.3g}",
+                      f"{b['cert_mass_p95']:.3g}")
     console.print(t)
     ok = result["violations"] == 0 and result["count_mismatch"] == 0
     console.print(
