@@ -60,6 +60,7 @@ def test_random_streams_have_no_violations(cls, summary):
     _drive(cache, 20, torch.Generator().manual_seed(0), reopen_every=7)
     r = mon.result()
     assert r["violations"] == 0 and r["count_mismatch"] == 0 and r["storage_mismatch"] == 0
+    assert r["duplicate_positions"] == 0 and r["kept_outside_history"] == 0
     assert r["nontrivial"] > 600
 
 
@@ -116,6 +117,7 @@ def test_recall_keeps_every_query_under_tau(cls, summary):
     assert st["recall_events"] > 0 and st["recalled_tokens"] > 0 and st["shortfalls"] == 0
     assert r["over_tau"] == 0
     assert r["violations"] == 0 and r["count_mismatch"] == 0 and r["storage_mismatch"] == 0
+    assert r["duplicate_positions"] == 0
     for layer in range(cache.num_layers):
         cert = cache.last_certificate[layer]
         assert (cert.mass <= tau).all() and (cert.error <= tau * cert.gap).all()

@@ -228,7 +228,7 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
     lr = []
     total = {k: sum(r[k] for r in runs.values()) for k in (
         "queries_checked", "nontrivial", "violations", "violations_mass", "violations_error", "count_mismatch",
-        "storage_mismatch", "recall_events", "recalled_tokens", "recalled_bytes", "recall_shortfalls")}
+        "storage_mismatch", "duplicate_positions", "kept_outside_history", "recall_events", "recalled_tokens", "recalled_bytes", "recall_shortfalls")}
     for r in runs.values():
         lr.append(r.pop("_log_ratios"))
     combined = tightness_stats(torch.cat(lr))

@@ -159,6 +159,8 @@ class HistoryCheck:
         active_count = (summ.count * summ.active).sum(-1)  # [H]
         self._acc("count_mismatch", (active_count != n_d).sum(), "sum")
         self._acc("kept_outside_history", (pos >= N).sum(), "sum")
+        # a position held by two slots would be counted twice by attention
+        self._acc("duplicate_positions", ((pos >= 0).sum(-1) != kept.sum(-1)).sum(), "sum")
         viol_mass = (cert.log_mass < log_m) | (cert.mass < log_m.exp())
         viol_err = (cert.error < err).any(-1)
         viol = viol_mass | viol_err
@@ -238,6 +240,8 @@ class HistoryCheck:
             "violations_error": acc.get("violations_error", 0),
             "count_mismatch": acc.get("count_mismatch", 0),
             "storage_mismatch": acc.get("storage_mismatch", 0),
+            "duplicate_positions": acc.get("duplicate_positions", 0),
+            "kept_outside_history": acc.get("kept_outside_history", 0),
             "cert_err_max": acc.get("cert_err_max", 0.0),
             "true_err_max": acc.get("true_err_max", 0.0),
             "cert_mass_max": acc.get("cert_mass_max", 0.0),

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{b['ratio_median']:.3g}", f"{b['ratio_p95']:.3g}", f"{b['cert_mass_median']:.3g}",
                       f"{b['cert_mass_p95']:.3g}")
     console.print(t)
-    ok = result["violations"] == 0 and result["count_mismatch"] == 0
+    ok = all(result[k] == 0 for k in ("violations", "count_mismatch", "duplicate_positions", "kept_outside_history"))
     console.print(
         f"queries_checked {result['queries_checked']}, violations {result['violations']}, tightness median "
         f"{result['tightness']['synthetic']['median']:.3g} (synthetic) / {result['tightness']['dit']['median']:.3g} (DiT), "
