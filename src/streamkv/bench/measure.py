@@ -426,7 +426,7 @@ def _probe_cuda(step: Callable[[], None], device: torch.device) -> TransientMemo
 def _probe_cpu(step: Callable[[], None], device: torch.device) -> TransientMemory:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_muted(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     try:
         events = list(prof.profiler.kineto_results.events())
@@ -452,6 +452,28 @@ def _probe_cpu(step: Callable[[], None], device: torch.device) -> TransientMemor
         allocated_bytes=allocated, freed_bytes=freed, peak_bytes=peak, allocations=allocations, steps=1,
         method="torch.profiler(profile_memory=True) CPU allocator events", by_op=by_op,
     )
+
+
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """Silence file descriptor 2 while the profiler starts and stops: its C++ backend
+    prints a ``USDT ... profiler_start``/``profiler_stop`` line on every use. Python-level
+    errors are unaffected (they are printed after the descriptor is restored)."""
+    import os
+
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr descriptor: nothing to mute
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _enclosing_op(ops: list[Any], mem_event: Any) -> str:
