@@ -106,8 +106,9 @@ class RingCache(KVCache):
         # kernel (and cannot inspect a traced tensor's storage offset)
         eager = not torch.compiler.is_compiling()
         for buf, wide, x in ((self._k, self._k_wide, k), (self._v, self._v_wide, v)):
-            if eager and wide is not None and _int64_view(x) is not None:
-                wide[layer].index_copy_(self.seq_dim, self._slots, x.view(torch.long))
+            x_wide = _int64_view(x) if eager and wide is not None else None
+            if x_wide is not None:
+                wide[layer].index_copy_(self.seq_dim, self._slots, x_wide)
             else:
                 buf[layer].index_copy_(self.seq_dim, self._slots, x)
 
