@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..plotting import pyplot, save
 from .maintenance import LABELS, SUBJECTS
 
 __all__ = ["print_report", "plot_scaling", "RENDERERS", "register_renderer", "fmt_bytes"]
@@ -214,10 +215,7 @@ def plot_scaling(doc: dict[str, Any], path: str | Path) -> Path | None:
     presets = [(n, r["scaling"]) for n, r in doc["presets"].items() if r.get("scaling")]
     if not presets:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ncols = min(2, len(presets))
     nrows = -(-len(presets) // ncols)
@@ -248,9 +246,4 @@ def plot_scaling(doc: dict[str, Any], path: str | Path) -> Path | None:
     dev = doc["versions"]["device_name"]
     fig.suptitle(f"cache maintenance per step and layer vs window (median, p10-p90 band; hollow: contended "
                  f"samples included) on {dev}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=120)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..experiments.pareto import single_thread
+from ..plotting import pyplot, save
 from .cache import CERTIFIED_KINDS, CertifiedCacheSet, certified_attend
 from .shadow import HistoryCheck, tightness_stats
 from .synthetic import QKVConfig, synthesize_qkv
@@ -264,10 +265,7 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
 def plot_certify(result: dict[str, Any], path: str | Path) -> Path:
     """Certificate vs truth over the stream: per step, max certified and true error (log
     scale) and the median tightness, one column per rollout."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = result["runs"]
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 7), squeeze=False)
@@ -291,9 +289,4 @@ def plot_certify(result: dict[str, Any], path: str | Path) -> Path:
         ax.set_xlabel("chunk")
         ax.set_ylabel("tightness (>= 1)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)

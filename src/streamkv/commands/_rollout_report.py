@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..plotting import pyplot, save
+
 
 @contextmanager
 def progress_bar(console: Console) -> Iterator[Progress]:
@@ -70,13 +72,7 @@ def print_tables(console: Console, result) -> None:
 
 
 def plot_runs(result, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, run in result.runs.items():
         x = range(len(run.chunk_latency_ms))
@@ -94,6 +90,4 @@ def plot_runs(result, path: str) -> None:
     ax1.set_title("per-chunk latency")
     ax2.set_title("cache maintenance (all layers, per DiT forward)")
     fig.suptitle(f"{cfg['name']} streaming rollout, guidance {cfg['guidance']}, {cfg['mode']} on {cfg['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)

@@ -40,6 +40,7 @@ import torch
 
 from ..budget.mass import check_tau
 from ..budget.policies import FixedWindow, MassBudget
+from ..plotting import pyplot, save
 from .synthetic import GeneratorConfig, RolloutResult, SyntheticStream, evaluate, synthesize
 
 __all__ = [
@@ -330,18 +331,9 @@ def run_pareto(gen: GeneratorConfig | None = None, config: ParetoConfig | None =
     return result, mass_runs
 
 
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_pareto(result: dict[str, Any], path: str | Path) -> None:
     """Error vs mean cache, both policies, log error axis (mean solid, max dashed)."""
-    plt = _figure()
+    plt = pyplot()
     p = result["pareto"]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for key, label, color in (("window", "fixed window", "tab:red"), ("mass", "mass budget (oracle)", "tab:blue")):
@@ -357,15 +349,12 @@ def plot_pareto(result: dict[str, Any], path: str | Path) -> None:
                  f"median window/mass {p['ratio_median']:.1f}x, min {p['ratio_min']:.1f}x", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def plot_sinks(result: dict[str, Any], path: str | Path) -> None:
     """Matched-cache mean and max error of both policies vs sink strength (log scale)."""
-    plt = _figure()
+    plt = pyplot()
     rows = result["sink_sweep"]
     b = [r["sink_boost"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -379,7 +368,4 @@ def plot_sinks(result: dict[str, Any], path: str | Path) -> None:
     ax.set_title(f"the win tracks sink strength (matched cache ~{result['experiment']['matched_cache']:g} tokens)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)

@@ -66,6 +66,7 @@ from ..caches.base import KVCache
 from ..caches.h2o import H2OCache
 from ..caches.mass import MassBudgetCache
 from ..caches.ring import RingCache
+from ..plotting import pyplot, save
 from .synthetic import GeneratorConfig, synthesize
 
 __all__ = [
@@ -792,10 +793,7 @@ SCOPE = (
 def plot_streaming(result: dict[str, Any], path: str | Path) -> None:
     """Mean error vs mean resident tokens for each policy: one panel for the synthetic
     stream, one per DiT section (log error axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("synthetic heads", result["synthetic"])] + [(s["label"], s) for s in result["dit"]["sections"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
@@ -814,7 +812,4 @@ def plot_streaming(result: dict[str, Any], path: str | Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
