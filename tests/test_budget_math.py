@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from streamkv.budget import mass as M
-from streamkv.budget import MassBudget
+from streamkv.budget import PerQueryMass
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
@@ -174,7 +174,7 @@ def test_tau_bound_for_the_mass_budget(tau):
     g = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(50, 40, generator=g, dtype=F64) * 2, -1)
     v = torch.rand(40, 6, generator=g, dtype=F64) * 10 - 5
-    keep = MassBudget(tau).keep(p)
+    keep = PerQueryMass(tau).keep(p)
     err = M.kept_output(p, v, keep) - M.full_output(p, v)
     assert (M.dropped_mass(p, keep) <= tau).all()
     assert (err.abs() <= M.linf_bound(tau, v)).all()
@@ -227,7 +227,7 @@ def test_tau_out_of_range(tau, exc, match):
     with pytest.raises(exc, match=match):
         M.linf_bound(tau, V_OK)
     with pytest.raises(exc, match=match):
-        MassBudget(tau)
+        PerQueryMass(tau)
 
 
 def _with(t, idx, value):

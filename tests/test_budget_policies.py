@@ -1,4 +1,4 @@
-"""Eviction policies (streamkv.budget.policies): tiny readable states, brute-force
+"""Eviction policies (streamkv.budget.oracles): tiny readable states, brute-force
 minimality of the mass budget, deterministic ties, protection, and bad input."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamkv.budget import FixedWindow, Full, MassBudget, kept_mass
+from streamkv.budget import FixedWindow, Full, PerQueryMass, kept_mass
 
 F64 = torch.float64
 
@@ -62,23 +62,23 @@ def test_fixed_window_follows_positions_not_storage_order():
 
 def test_mass_budget_tiny_state():
     """mass:  0.1 0.4 0.05 0.3 0.15   tau=0.2 -> need 0.8: 0.4 + 0.3 + 0.15 = 0.85."""
-    keep = MassBudget(0.2).keep(_row(0.1, 0.4, 0.05, 0.3, 0.15))
+    keep = PerQueryMass(0.2).keep(_row(0.1, 0.4, 0.05, 0.3, 0.15))
     assert keep[0].tolist() == [0, 1, 0, 1, 1]
 
 
 def test_mass_budget_exact_target_is_reached_not_exceeded():
     """Dyadic masses are exact in float64: 0.5 + 0.25 reaches 1 - 0.25 exactly."""
-    keep = MassBudget(0.25).keep(_row(0.125, 0.5, 0.125, 0.25))
+    keep = PerQueryMass(0.25).keep(_row(0.125, 0.5, 0.125, 0.25))
     assert keep[0].tolist() == [0, 1, 0, 1]
 
 
 def test_ties_by_position_ascending():
     """Four equal masses, need two: the two oldest positions."""
     p = _row(0.25, 0.25, 0.25, 0.25)
-    assert MassBudget(0.5).keep(p)[0].tolist() == [1, 1, 0, 0]
+    assert PerQueryMass(0.5).keep(p)[0].tolist() == [1, 1, 0, 0]
     # stored as slots with positions [3, 1, 0, 2]: still positions 0 and 1 (slots 2, 1)
     pos = torch.tensor([3, 1, 0, 2])
-    assert MassBudget(0.5).keep(p, pos)[0].tolist() == [0, 1, 1, 0]
+    assert PerQueryMass(0.5).keep(p, pos)[0].tolist() == [0, 1, 1, 0]
 
 
 def test_protected_tokens_are_kept_and_count_toward_the_mass():
@@ -88,17 +88,17 @@ def test_protected_tokens_are_kept_and_count_toward_the_mass():
     add 0.5 (position 2) -> 0.9. Position 0 is kept although it has no mass.
     """
     p = _row(0.0, 0.05, 0.5, 0.05, 0.4)
-    keep = MassBudget(0.1, protect_sinks=1, protect_recent=1).keep(p)
+    keep = PerQueryMass(0.1, protect_sinks=1, protect_recent=1).keep(p)
     assert keep[0].tolist() == [1, 0, 1, 0, 1]
     # protection alone already reaching the mass: nothing else is added
-    keep = MassBudget(0.5, protect_recent=2).keep(_row(0.1, 0.3, 0.05, 0.15, 0.4))
+    keep = PerQueryMass(0.5, protect_recent=2).keep(_row(0.1, 0.3, 0.05, 0.15, 0.4))
     assert keep[0].tolist() == [0, 0, 0, 1, 1]
 
 
 def test_batched_rows_are_independent():
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(2, 3, 9, generator=g, dtype=F64) * 2, -1)
-    pol = MassBudget(0.15, protect_sinks=1)
+    pol = PerQueryMass(0.15, protect_sinks=1)
     keep = pol.keep(p)
     assert keep.shape == (2, 3, 9)
     for i in range(2):
@@ -108,12 +108,12 @@ def test_batched_rows_are_independent():
 
 def test_empty_cache():
     p = torch.zeros(3, 0, dtype=F64)
-    assert MassBudget(0.1).keep(p).shape == (3, 0)
+    assert PerQueryMass(0.1).keep(p).shape == (3, 0)
 
 
 def test_policies_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        MassBudget(0.1).tau = 0.2
+        PerQueryMass(0.1).tau = 0.2
     with pytest.raises(dataclasses.FrozenInstanceError):
         FixedWindow(4).window = 5
 
@@ -122,7 +122,7 @@ def test_inputs_not_mutated():
     p = torch.softmax(torch.randn(4, 7, dtype=F64), -1)
     pos = torch.tensor([6, 5, 4, 3, 2, 1, 0])
     p0, pos0 = p.clone(), pos.clone()
-    MassBudget(0.2, protect_sinks=1, protect_recent=2).keep(p, pos)
+    PerQueryMass(0.2, protect_sinks=1, protect_recent=2).keep(p, pos)
     FixedWindow(2, sinks=1).keep(p, pos)
     assert torch.equal(p, p0) and torch.equal(pos, pos0)
 
@@ -167,7 +167,7 @@ def _instances(draw):
 @given(_instances())
 def test_mass_budget_is_minimal_and_reaches_the_mass(inst):
     p, tau, sinks, recent, pos = inst
-    pol = MassBudget(tau, protect_sinks=sinks, protect_recent=recent)
+    pol = PerQueryMass(tau, protect_sinks=sinks, protect_recent=recent)
     keep = pol.keep(p.unsqueeze(0), pos)[0]
     protected = pol.protected(pos)
     assert (keep | ~protected).all()                                   # protected always kept
@@ -182,7 +182,7 @@ def test_mass_budget_ties_are_deterministic_under_storage_order(inst):
     together) permutes the kept mask the same way: the choice depends on mass and
     position only. Among equal masses the older position wins."""
     p, tau, sinks, recent, pos = inst
-    pol = MassBudget(tau, protect_sinks=sinks, protect_recent=recent)
+    pol = PerQueryMass(tau, protect_sinks=sinks, protect_recent=recent)
     keep = pol.keep(p.unsqueeze(0), pos)[0]
     shuffle = torch.arange(p.numel()).flip(0)
     keep2 = pol.keep(p[shuffle].unsqueeze(0), pos[shuffle])[0]
@@ -201,7 +201,7 @@ def test_mass_budget_minimal_on_random_softmax_rows():
         n = int(torch.randint(2, 9, (1,), generator=g))
         p = torch.softmax(torch.randn(n, generator=g, dtype=F64) * 2, -1)
         tau = float(torch.rand(1, generator=g)) * 0.9 + 0.05
-        keep = MassBudget(tau).keep(p.unsqueeze(0))[0]
+        keep = PerQueryMass(tau).keep(p.unsqueeze(0))[0]
         assert int(keep.sum()) == _brute_force_min_size(p, torch.zeros(n, dtype=torch.bool), tau)
 
 
@@ -209,7 +209,7 @@ def test_kept_mass_never_below_target_at_scale():
     g = torch.Generator().manual_seed(6)
     p = torch.softmax(torch.randn(500, 300, generator=g, dtype=F64) * 3, -1)
     for tau in (0.3, 0.1, 0.01, 1e-6):
-        keep = MassBudget(tau).keep(p)
+        keep = PerQueryMass(tau).keep(p)
         km = kept_mass(p, keep)
         assert (km >= 1 - tau).all()
         # dropping the lightest kept token must fall below the target (minimality, fast form)
@@ -220,7 +220,7 @@ def test_kept_mass_never_below_target_at_scale():
 def test_float32_attention():
     g = torch.Generator().manual_seed(7)
     p = torch.softmax(torch.randn(50, 40, generator=g), -1)
-    keep = MassBudget(0.05).keep(p)
+    keep = PerQueryMass(0.05).keep(p)
     assert (kept_mass(p, keep) >= 1 - 0.05).all()
 
 
@@ -228,12 +228,12 @@ def test_float32_attention():
 
 
 @pytest.mark.parametrize("make,exc,match", [
-    (lambda: MassBudget(0.0), ValueError, r"tau must be in the open interval \(0, 1\), got 0.0"),
-    (lambda: MassBudget(1.0), ValueError, r"got 1.0"),
-    (lambda: MassBudget(float("nan")), ValueError, r"got nan"),
-    (lambda: MassBudget(None), TypeError, r"tau must be a real number, got NoneType"),
-    (lambda: MassBudget(0.1, protect_sinks=-1), ValueError, r"protect_sinks must be >= 0, got -1"),
-    (lambda: MassBudget(0.1, protect_recent=1.5), TypeError, r"protect_recent must be an int, got float 1.5"),
+    (lambda: PerQueryMass(0.0), ValueError, r"tau must be in the open interval \(0, 1\), got 0.0"),
+    (lambda: PerQueryMass(1.0), ValueError, r"got 1.0"),
+    (lambda: PerQueryMass(float("nan")), ValueError, r"got nan"),
+    (lambda: PerQueryMass(None), TypeError, r"tau must be a real number, got NoneType"),
+    (lambda: PerQueryMass(0.1, protect_sinks=-1), ValueError, r"protect_sinks must be >= 0, got -1"),
+    (lambda: PerQueryMass(0.1, protect_recent=1.5), TypeError, r"protect_recent must be an int, got float 1.5"),
     (lambda: FixedWindow(0), ValueError, r"window \+ sinks must be >= 1 .*got 0 \+ 0"),
     (lambda: FixedWindow(-2), ValueError, r"window must be >= 0, got -2"),
     (lambda: FixedWindow(4, sinks=True), TypeError, r"sinks must be an int, got bool True"),
@@ -247,13 +247,13 @@ P = torch.softmax(torch.randn(2, 5, dtype=F64), -1)
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (lambda: MassBudget(0.1).keep(torch.tensor([[0.5, 0.5], [0.25, 0.25]], dtype=F64)), ValueError,
+    (lambda: PerQueryMass(0.1).keep(torch.tensor([[0.5, 0.5], [0.25, 0.25]], dtype=F64)), ValueError,
      r"attention rows must sum to 1 \(within atol=.*\): row \(1,\) sums to 0.5"),
-    (lambda: MassBudget(0.1).keep(torch.tensor([[0.5, float("nan")]], dtype=F64)), ValueError, r"attention must be finite: found nan at index \(0, 1\)"),
-    (lambda: MassBudget(0.1).keep(torch.tensor([[1.5, -0.5]], dtype=F64)), ValueError, r"non-negative: found -0.5"),
-    (lambda: MassBudget(0.1).keep(P, torch.arange(4)), ValueError, r"positions must have shape \(5,\) .*got \(4,\)"),
-    (lambda: MassBudget(0.1).keep(P, torch.arange(5).int()), TypeError, r"positions must have dtype torch.int64, got torch.int32"),
-    (lambda: MassBudget(0.1).keep(P, torch.tensor([0, 1, 1, 2, 3])), ValueError, r"positions must be distinct"),
+    (lambda: PerQueryMass(0.1).keep(torch.tensor([[0.5, float("nan")]], dtype=F64)), ValueError, r"attention must be finite: found nan at index \(0, 1\)"),
+    (lambda: PerQueryMass(0.1).keep(torch.tensor([[1.5, -0.5]], dtype=F64)), ValueError, r"non-negative: found -0.5"),
+    (lambda: PerQueryMass(0.1).keep(P, torch.arange(4)), ValueError, r"positions must have shape \(5,\) .*got \(4,\)"),
+    (lambda: PerQueryMass(0.1).keep(P, torch.arange(5).int()), TypeError, r"positions must have dtype torch.int64, got torch.int32"),
+    (lambda: PerQueryMass(0.1).keep(P, torch.tensor([0, 1, 1, 2, 3])), ValueError, r"positions must be distinct"),
     (lambda: FixedWindow(2).keep(P, torch.tensor([0, -1, 2, 3, 4])), ValueError, r"positions must be >= 0, got min -1"),
     (lambda: FixedWindow(2).keep(P.tolist()), TypeError, r"attention must be a Tensor, got list"),
     (lambda: Full().keep(P, [0, 1, 2, 3, 4]), TypeError, r"positions must be an int64 Tensor, got list"),

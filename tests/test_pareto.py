@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from streamkv.budget import FixedWindow, Full, MassBudget
+from streamkv.budget import FixedWindow, Full, PerQueryMass
 from streamkv.cli import main
 from streamkv.experiments.pareto import _interp_log, falsifiers, run_pareto, single_thread
 from streamkv.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
@@ -175,7 +175,7 @@ def test_window_cache_size_and_tau_bookkeeping():
     s = synthesize(GeneratorConfig(frames=10, keyframes=(0,)), 0)
     with single_thread():
         w = evaluate(s, FixedWindow(20, sinks=3))
-        m = evaluate(s, MassBudget(0.1))
+        m = evaluate(s, PerQueryMass(0.1))
     n = torch.tensor([f * 8 for f in range(1, 10) for _ in range(8)])
     assert torch.equal(w.cache, torch.clamp(n, max=20) + torch.clamp(n - 20, min=0, max=3))
     assert w.tau is None and m.tau == 0.1
@@ -187,7 +187,7 @@ def test_evaluator_rejects_bad_attention():
     s = synthesize(GeneratorConfig(frames=4, keyframes=(0,)), 0)
     bad = replace(s, logits=s.logits.clone().index_fill_(1, torch.tensor([2]), float("nan")))
     with pytest.raises(ValueError, match=r"attention of frame 1 must be finite: found nan at index \(0, 0\)"):
-        evaluate(bad, MassBudget(0.1))
+        evaluate(bad, PerQueryMass(0.1))
 
     class Unnormalised(SyntheticStream):
         def attention(self, frame):

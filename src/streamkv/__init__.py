@@ -1,13 +1,14 @@
-"""streamkv: attention KV caches for streaming (autoregressive) video diffusion.
+"""streamkv: attention KV caches for streaming (autoregressive) generators.
 
 - :class:`RingCache` — circular storage with pinned sinks; nothing retained moves.
 - :class:`ChronologicalCache` — the current path (window rolled left on overflow).
-- :class:`MassBudgetCache` — per-head mass budget with a stated guarantee.
-- :class:`CacheSet` — all layers x independent ``cond`` / ``uncond`` branches.
+- :class:`MassBudgetCache`, :class:`H2OCache`, :class:`TOVACache` — per-head scored policies.
+- :class:`CacheSet` — all layers x independent branches (``cond`` / ``uncond``), one allocation.
+- :class:`CacheSpec` — shapes and layout, written once; :func:`~streamkv.attention.attend`.
 
 See ``docs/ARCHITECTURE.md`` for the layers, vocabulary and invariants. The names below
-are imported on first use, so ``import streamkv.cli`` (and ``streamkv --help``) does not
-import torch.
+are imported on first use, so ``import streamkv`` (and ``streamkv --help``) does not
+import torch. The lab (experiments, benchmarks, the CLI) lives in :mod:`streamkv.lab`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ _LAZY = {
     "CacheLayout": "streamkv.layout",
     "KVCache": "streamkv.caches",
     "LayerView": "streamkv.caches",
+    "KVRead": "streamkv.caches",
+    "CacheObserver": "streamkv.caches",
+    "EvictionEvent": "streamkv.caches",
     "RingCache": "streamkv.caches",
     "ChronologicalCache": "streamkv.caches",
     "MassBudgetCache": "streamkv.caches",
     "H2OCache": "streamkv.caches",
+    "TOVACache": "streamkv.caches",
     "CacheSet": "streamkv.caches",
+    "CacheSpec": "streamkv.caches",
     "CACHE_KINDS": "streamkv.caches",
+    "attend": "streamkv.attention",
 }
 
 __all__ = [*_LAZY, "__version__"]

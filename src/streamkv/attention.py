@@ -1,33 +1,33 @@
-"""Attention over a cache, with an explicit dispatch between two paths.
+"""Attention over a cache read, with an explicit dispatch between two paths.
+
+:func:`attend` takes a :class:`~streamkv.caches.KVRead` (what ``layer.update(k, v, q)`` or
+``cache.read(layer)`` returns; a layer handle is read on the spot):
 
 ``physical``
-    SDPA straight on the cache's buffers as they lie in memory, no gather. Exact when
-    attention is unmasked and every key carries its own absolute RoPE (applied before
-    the cache write): softmax attention is invariant to one permutation applied to the
-    K and V rows alike. Occupied slots are handled as
-
-    - ``"all"``: every slot valid (steady state) — SDPA on the whole buffer;
-    - ``"prefix"``: occupied slots are ``[0, num_valid)`` — SDPA on that slice;
-    - ``"mask"``: an additive ``-inf`` bias on empty slots, built on the device from
-      ``slot_positions`` (static shapes: what a compiled step or CUDA graph uses while
-      the cache fills, and what ragged caches use).
-
+    SDPA straight on the buffers as they lie in memory, no gather. Exact when every key
+    carries its own absolute RoPE (applied before the cache write): softmax attention is
+    invariant to one permutation applied to the K and V rows alike. Empty slots are handled
+    as the read says (``all`` / ``prefix`` / ``mask``). ``causal=True`` adds the mask a query
+    at position ``p`` needs (occupied slots holding positions ``<= p``): a function of
+    positions, so it stays exact in physical order (prefill chunks of an LLM).
 ``chronological``
-    Gather the retained keys in position order first. Needed for masks over positions
-    and for cache-relative RoPE (keys rotated at read time by their index in the
-    chronological view), where physical order would be wrong.
+    The retained keys gathered in position order first. Needed for masks that index the
+    chronological view (``attn_mask``) and for cache-relative RoPE (``key_transform``
+    rotates keys by their chronological index at read time). Refused where heads hold
+    different positions (budgeted caches): there is no common order.
 
-``order="physical"`` where it is invalid raises ``ValueError`` with the reason; the
-dispatcher never falls back silently. ``order="auto"`` picks physical when valid and
-says which path ran in the returned :class:`AttentionInfo`.
+``order="physical"`` where it is invalid raises ``ValueError`` with every reason; so does
+``order="chronological"`` where the read refuses it. ``order="auto"`` picks physical when
+valid. The dispatcher never falls back silently; :class:`AttentionInfo` says which path ran.
 
-Layouts: ``q`` has the layout of the cache's chunk tensors (the token dimension at the
-cache's ``seq_dim``, features last); the output has the same layout with the value
-feature size. Internally the token dim is moved to ``-2`` (views, no copies).
+Scored policies (mass, H2O, TOVA) need the attention of the chunk's queries: when the read
+asks for it (``read.scorer``), the physical path computes the softmax explicitly, a block of
+queries at a time (:mod:`streamkv.scoring`), and hands the per-key statistics of that same
+pass to the policy. No second pass over the cache.
 
-Log-sum-exp: ``return_lse=True`` also returns ``lse[..., i] = log sum_j exp(s_ij)`` over
-the attended keys, computed blockwise (``block`` keys at a time) so the full score
-matrix is never materialised; per-key attention mass is then ``exp(s_ij - lse_i)``.
+Layouts: ``q`` has the layout of the cache's chunk tensors (the token dim at the cache's
+``seq_dim``, features last; more heads than the keys for grouped-query attention); the output
+has the same layout with the value feature size.
 """
 
 from __future__ import annotations
@@ -41,163 +41,186 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["attend", "AttentionInfo", "AttentionSource", "blockwise_lse", "valid_bias"]
+from .caches.read import KVRead, Occupancy
+from .scoring import blockwise_attention, check_block, fold_groups
+
+__all__ = ["attend", "AttentionInfo", "Order", "RopeMode"]
 
 Order = Literal["auto", "physical", "chronological"]
-Occupancy = Literal["all", "prefix", "mask"]
+RopeMode = Literal["absolute", "cache_relative"]
 
 
-class AttentionSource(Protocol):
-    """What :func:`attend` reads: a :class:`~streamkv.caches.base.LayerView` (or a
-    one-layer cache)."""
-
-    def keys(self) -> Tensor: ...
-    def values(self) -> Tensor: ...
-    def chronological_keys(self) -> Tensor: ...
-    def chronological_values(self) -> Tensor: ...
+class Readable(Protocol):
+    def read(self) -> KVRead: ...
 
 
 @dataclass(frozen=True)
 class AttentionInfo:
-    """Which path ran, how empty slots were handled, and how many key rows were read."""
+    """Which path ran, how empty slots were handled, how many key rows were read, and the
+    per-query log-sum-exp when asked for."""
 
     path: Literal["physical", "chronological"]
     occupancy: Occupancy | None
     keys_read: int
     lse: Tensor | None = None
-
-
-def _cache_of(source: object):
-    cache = getattr(source, "cache", source)
-    return cache
-
-
-def valid_bias(slot_positions: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive bias over slots: ``0`` where a slot holds a position, ``-inf`` where empty.
-
-    ``slot_positions``: ``int64 [..., capacity]`` (``-1`` = empty). Returns ``dtype
-    [..., 1, capacity]``, broadcastable against scores ``[..., Lq, capacity]``.
-    """
-    zero = torch.zeros((), dtype=dtype, device=slot_positions.device)
-    ninf = torch.full((), float("-inf"), dtype=dtype, device=slot_positions.device)
-    return torch.where(slot_positions >= 0, zero, ninf).unsqueeze(-2)
-
-
-def blockwise_lse(q: Tensor, k: Tensor, *, scale: float, bias: Tensor | None = None, block: int = 1024) -> Tensor:
-    """``log sum_j exp(scale * q_i . k_j + bias_j)`` over keys, ``block`` keys at a time.
-
-    ``q``: ``[..., Lq, D]``; ``k``: ``[..., Lk, D]``; ``bias`` broadcastable to
-    ``[..., Lq, Lk]`` or None. Returns ``float32``/``float64`` ``[..., Lq]`` (the wider of
-    float32 and ``q.dtype``). Memory: ``O(Lq * block)`` per batch-head.
-    """
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qf = q.to(acc)
-    lse = None
-    n = k.shape[-2]
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        s = (qf @ k[..., start:stop, :].to(acc).transpose(-1, -2)) * scale
-        if bias is not None:
-            s = s + bias[..., start:stop].to(acc)
-        part = torch.logsumexp(s, dim=-1)
-        lse = part if lse is None else torch.logaddexp(lse, part)
-    if lse is None:
-        raise ValueError("blockwise_lse needs at least one key, got 0")
-    return lse
+    scored: bool = False
 
 
 def attend(
     q: Tensor,
-    source: AttentionSource,
+    source: KVRead | Readable,
     *,
     order: Order = "auto",
-    rope: Literal["absolute", "cache_relative"] = "absolute",
+    rope: RopeMode = "absolute",
     key_transform: Callable[[Tensor], Tensor] | None = None,
     attn_mask: Tensor | None = None,
-    occupancy: Occupancy | None = None,
+    causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
-    lse_block: int = 1024,
+    block: int = 256,
 ) -> tuple[Tensor, AttentionInfo]:
-    """Attention of ``q`` over the cache behind ``source``.
+    """Attention of ``q`` over a cache read.
 
     Args:
         q: queries in the cache's chunk layout (token dim at ``seq_dim``, features last).
-        source: a layer of a cache (``cache.layer(i)``) or a one-layer cache.
+        source: a :class:`~streamkv.caches.KVRead`, or a layer handle (``cache.layer(i)``),
+            or a one-layer cache (read now).
         order: ``"physical"``, ``"chronological"`` or ``"auto"`` (physical when valid).
         rope: ``"absolute"`` (keys rotated at their positions before the write) or
             ``"cache_relative"`` (keys stored unrotated; ``key_transform`` rotates the
-            chronological keys ``[..., L, D]`` at read time). Cache-relative needs the
-            chronological path.
-        attn_mask: an additive or boolean mask over the *chronological* keys,
-            broadcastable to ``[..., Lq, L]``; needs the chronological path.
-        occupancy: for the physical path, how empty slots are handled (see the module
-            docstring); default: from the cache's host counters (``"all"`` when full,
-            else ``"prefix"`` or ``"mask"``). Compiled steps pass it explicitly so
-            the traced code reads no changing host ints.
+            chronological keys ``[..., L, D]`` at read time): chronological path only.
+        attn_mask: additive or boolean mask over the *chronological* keys, broadcastable to
+            ``[..., Lq, L]`` (chronological path only).
+        causal: hide from a query the keys at later positions; the queries are the open
+            chunk's rows (their positions come from the read).
         scale: softmax scale (default ``1/sqrt(D)``).
-        return_lse: also return the per-query log-sum-exp in ``info.lse``
-            (``[..., Lq]``, token dim moved last).
+        return_lse: also return the per-query log-sum-exp in ``info.lse`` (``[..., Lq]``, the
+            token dim moved last).
+        block: query rows per block where the softmax is computed explicitly.
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
 
     Raises:
-        ValueError: ``order="physical"`` where physical order is invalid (the message
-            says why), or an unknown option.
+        ValueError: an invalid path or option (the message says why); a query whose batch,
+            heads or features do not match the keys; a read of an empty cache.
+        TypeError: ``q`` is not a tensor of the cache's dtype.
     """
-    cache = _cache_of(source)
-    seq = cache.seq_dim
+    read = source if isinstance(source, KVRead) else _read_of(source)
+    block = check_block(block)
     if order not in ("auto", "physical", "chronological"):
         raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
     if rope not in ("absolute", "cache_relative"):
         raise ValueError(f"rope must be 'absolute' or 'cache_relative', got {rope!r}")
     if rope == "cache_relative" and key_transform is None:
         raise ValueError("rope='cache_relative' needs key_transform to rotate the chronological keys")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                              or scale <= 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    _check_query(q, read)
+    if read.empty:
+        raise ValueError(f"{read.name} holds no token yet: begin_chunk and write before attending")
     reasons = []
     if rope == "cache_relative":
         reasons.append("keys use cache-relative RoPE (their rotation depends on chronological order)")
     if attn_mask is not None:
         reasons.append("an attention mask is given (it indexes chronological keys)")
-    if not getattr(cache, "physical_order_valid", False):
-        reasons.append(f"{type(cache).__name__} does not support physical-order reads")
     if order == "physical" and reasons:
         raise ValueError("the physical-order path is invalid here: " + "; ".join(reasons))
     path = "physical" if order == "physical" or (order == "auto" and not reasons) else "chronological"
+    if path == "chronological" and read.chronological is None:
+        raise ValueError(f"the chronological path is invalid for {read.name}: {read.chronological_refusal}"
+                         + (f"; and it is needed because {'; '.join(reasons)}" if reasons else ""))
+    if causal and read.query_positions is None:
+        raise ValueError("causal=True needs an open chunk: its rows' positions are the queries' positions")
+    if causal and q.shape[read.seq_dim] != read.query_positions.numel():
+        raise ValueError(f"causal=True: q has {q.shape[read.seq_dim]} rows, the open chunk "
+                         f"{read.query_positions.numel()}")
 
+    seq = read.seq_dim
     qt = q.movedim(seq, -2)
-    d = qt.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
     bias: Tensor | None = None
+    occupancy: Occupancy | None = read.occupancy
     if path == "physical":
-        k = source.keys().movedim(seq, -2)
-        v = source.values().movedim(seq, -2)
-        if occupancy is None:
-            if cache.all_valid:
-                occupancy = "all"
-            elif cache.valid_is_prefix:
-                occupancy = "prefix"
-            else:
-                occupancy = "mask"
-        if occupancy == "prefix":
-            n = cache.num_valid
-            k, v = k.narrow(-2, 0, n), v.narrow(-2, 0, n)
-        elif occupancy == "mask":
-            positions = source.slot_positions if hasattr(source, "slot_positions") else cache.slot_positions
-            bias = valid_bias(positions, qt.dtype)
-        elif occupancy != "all":
-            raise ValueError(f"occupancy must be 'all', 'prefix' or 'mask', got {occupancy!r}")
+        k, v = read.keys.movedim(seq, -2), read.values.movedim(seq, -2)
+        if read.occupancy == "prefix":
+            k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
+        if causal:
+            bias = read.causal_bias(read.query_positions, qt.dtype)
+        else:
+            bias = read.bias(qt.dtype)
     else:
         occupancy = None
-        k = source.chronological_keys().movedim(seq, -2)
-        v = source.chronological_values().movedim(seq, -2)
+        kc, vc, positions = read.chronological()
+        k, v = kc.movedim(seq, -2), vc.movedim(seq, -2)
         if key_transform is not None:
             k = key_transform(k)
         if attn_mask is not None:
             bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
-                attn_mask.shape, dtype=qt.dtype, device=qt.device
-            ).masked_fill(~attn_mask, float("-inf"))
-    out = F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale)
-    lse = blockwise_lse(qt, k, scale=scale, bias=bias, block=lse_block) if return_lse else None
-    info = AttentionInfo(path=path, occupancy=occupancy, keys_read=k.shape[-2], lse=lse)
+                attn_mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(~attn_mask, float("-inf"))
+        if causal:
+            kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
+            hide = kp.view(1, -1) > read.query_positions.view(-1, 1)
+            cb = torch.zeros(hide.shape, dtype=qt.dtype, device=qt.device).masked_fill_(hide, float("-inf"))
+            bias = cb if bias is None else bias + cb
+    # grouped-query attention: fold the query heads of each key head into its query rows
+    rows = qt.shape[-2]
+    groups = 1
+    if read.head_axis is not None and qt.shape[read.head_axis] != k.shape[read.head_axis]:
+        groups = qt.shape[read.head_axis] // k.shape[read.head_axis]
+        qt = fold_groups(qt, k.shape, read.head_axis)
+        if bias is not None and bias.shape[-2] != 1:
+            bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
+    scored = read.scorer is not None and path == "physical"
+    if scored or return_lse:
+        res = blockwise_attention(qt, k, v, bias, scale=scale, block=block, statistics=scored, lse=return_lse,
+                                  head_axis=read.head_axis)
+        out, lse = res.out, res.lse
+        if scored:
+            read.scorer(res.key_max, res.key_sum)
+    else:
+        out, lse = F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale), None
+    if groups > 1:
+        out = out.reshape(*out.shape[: read.head_axis], -1, rows, out.shape[-1])
+        if lse is not None:
+            lse = lse.reshape(*lse.shape[: read.head_axis], -1, rows)
+    info = AttentionInfo(path=path, occupancy=occupancy, keys_read=k.shape[-2], lse=lse, scored=scored)
     return out.movedim(-2, seq), info
+
+
+def _read_of(source: object) -> KVRead:
+    read = getattr(source, "read", None)
+    if not callable(read):
+        raise TypeError(f"source must be a KVRead or have a read() method (a cache layer), got {type(source).__name__}")
+    return read()
+
+
+def _check_query(q: Tensor, read: KVRead) -> None:
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a Tensor, got {type(q).__name__}")
+    keys = read.keys
+    if q.dtype != keys.dtype:
+        raise TypeError(f"q must have the cache dtype {keys.dtype}, got {q.dtype}")
+    if q.device != keys.device:
+        raise ValueError(f"q must be on the cache device {keys.device}, got {q.device}")
+    if q.dim() != keys.dim():
+        raise ValueError(f"q must have rank {keys.dim()} like the cache's keys {tuple(keys.shape)}, got {tuple(q.shape)}")
+    for d in range(keys.dim()):
+        if d == read.seq_dim:
+            continue
+        qs, ks = q.shape[d], keys.shape[d]
+        head = read.head_axis is not None and d == _head_dim(read)
+        if qs != ks and not (head and qs % ks == 0):
+            what = "features" if d == keys.dim() - 1 else ("heads (or a multiple)" if head else f"dim {d}")
+            raise ValueError(
+                f"q must match the cache's keys in {what}: q {tuple(q.shape)} vs keys {tuple(keys.shape)} "
+                f"(dim {d}: {qs} vs {ks}); no broadcasting"
+            )
+    if q.shape[read.seq_dim] < 1:
+        raise ValueError("q has no query rows")
+
+
+def _head_dim(read: KVRead) -> int:
+    lead = [d for d in range(read.keys.dim() - 1) if d != read.seq_dim]
+    return lead[read.head_axis]

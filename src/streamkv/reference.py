@@ -62,13 +62,6 @@ class ReferenceCache:
     def chronological_values(self) -> Tensor:
         return self._view(self._v)
 
-    def history_keys(self) -> Tensor:
-        """Every key ever committed or written, in position order (nothing evicted)."""
-        return torch.cat([c for c in self._k if c is not None], dim=self.seq_dim)
-
-    def history_values(self) -> Tensor:
-        return torch.cat([c for c in self._v if c is not None], dim=self.seq_dim)
-
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
     """Softmax attention in float64 over ``[..., L, D]`` tensors (no mask)."""

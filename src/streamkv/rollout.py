@@ -52,8 +52,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .caches import CacheSet
-from .caches.base import KVCache
+from .caches import CacheSet, KVCache
 from .distributed.group import ContextParallel
 from .models.dit import CausalVideoDiT, CrossKV
 
@@ -118,8 +117,9 @@ class StreamingRollout:
 
     Args:
         model: the DiT (its configuration fixes chunk, window and sink sizes).
-        cache: a cache kind (``"ring"``, ``"chronological"``, ...) or a prebuilt
-            :class:`~streamkv.caches.CacheSet` (checked against the model's shape).
+        cache: a cache kind (``"ring"``, ``"chronological"``, ``"mass"``, ``"h2o"``, ``"tova"``,
+            or a policy) or a prebuilt :class:`~streamkv.caches.CacheSet` (checked against
+            the model's shape, dtype and device).
         batch: videos generated together.
         guidance: classifier-free guidance scale (``>= 1``; ``1`` disables ``uncond``).
         schedule: denoising timesteps and shift.
@@ -130,14 +130,17 @@ class StreamingRollout:
         instrument: time every cache call (eager; adds a device sync per call on CUDA).
         compile_backend: backend for ``mode="compile"`` (``"inductor"``, ``"aot_eager"``,
             or a callable such as ``torch._dynamo.testing.CompileCounter()``).
-        cache_kwargs: extra arguments of the cache class (e.g. ``tau=0.05``).
+        cache_kwargs: the cache policy's parameters (e.g. ``tau=0.05``, ``budget=96``).
         cp: context-parallel group (Ulysses; one rollout per rank, same arguments on
             every rank). ``None``: one process.
 
     Raises:
         ValueError: bad arguments; with ``cp``, heads or chunk tokens that do not
-            divide by the world size (checked before anything is allocated).
-        RuntimeError: ``mode="graph"`` with ``cp.world_size > 1``, or without CUDA.
+            divide by the world size (checked before anything is allocated); a cache
+            without a chronological view (per-head policies) with ``order="chronological"``
+            or ``rope_mode="cache_relative"``.
+        RuntimeError: ``mode="graph"`` with ``cp.world_size > 1``, or without CUDA; a
+            compiled or graph mode over caches with observers (they run eagerly).
     """
 
     def __init__(
@@ -207,17 +210,19 @@ class StreamingRollout:
                 raise ValueError(f"cache set lacks branches {missing} needed at guidance {self.guidance}")
             for b in self.branches:
                 model.check_cache(cache[b], batch, world_size)
-                if cache[b].dtype != self.dtype or cache[b].device != self.device:
-                    raise ValueError(
-                        f"cache branch {b!r} is {cache[b].dtype} on {cache[b].device}; the model is "
-                        f"{self.dtype} on {self.device}"
-                    )
             self.caches = cache
         else:
             self.caches = CacheSet(
-                cache, branches=self.branches, dtype=self.dtype, device=self.device,
-                **model.cache_kwargs(batch, world_size), **(cache_kwargs or {}),
+                cache, model.cache_spec(batch, world_size), branches=self.branches, **(cache_kwargs or {})
             )
+        first = self.caches[self.branches[0]]
+        if (order == "chronological" or rope_mode == "cache_relative") and first.chronological_refusal:
+            raise ValueError(
+                f"order={order!r} / rope_mode={rope_mode!r} need the chronological path, and "
+                f"{first.chronological_refusal}"
+            )
+        if mode != "eager" and any(self.caches[b].observers for b in self.branches):
+            raise RuntimeError(f"mode={mode!r}: the caches have observers, which run eagerly only; use mode='eager'")
         self.seed = seed
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._cross: dict[str, CrossKV] = {}
@@ -290,7 +295,8 @@ class StreamingRollout:
             torch.cuda.synchronize(self.device)
         t_start = time.perf_counter()
         self._maintenance = 0.0
-        self._timed(lambda: self.caches.begin_chunk(c, self.branches))
+        if self.caches[self.branches[0]].open_chunk != c:  # else a failed attempt left it open: rewrite it
+            self._timed(lambda: self.caches.begin_chunk(c, self.branches))
         rope = self.model.rope_tables(c, dtype=self.dtype, device=self.device)
         x = noise if noise is not None else self._noise(shape)
         sigmas = self.schedule.sigmas()
@@ -348,7 +354,8 @@ class StreamingRollout:
             return flows["cond"]
         return flows["uncond"] + self.guidance * (flows["cond"] - flows["uncond"])
 
-    def _network(self, x: Tensor, t: Tensor, cache: KVCache, cross: CrossKV, cos: Tensor, sin: Tensor, occupancy: str) -> Tensor:
+    def _network(self, x: Tensor, t: Tensor, cache: KVCache, cross: CrossKV, cos: Tensor, sin: Tensor,
+                 occupancy: str) -> Tensor:
         return self.model(x, t, cache, cross, (cos, sin), order=self.order, occupancy=occupancy, cp=self.cp)
 
     def _forward(self, branch: str, x: Tensor, t: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
@@ -358,8 +365,8 @@ class StreamingRollout:
                 x, t, cache, cross, rope, rope_mode=self.rope_mode, relative_rope=self._relative_rope,
                 order=self.order, timer=self._add_maintenance if self.instrument else None, cp=self.cp,
             )
-        # static-shape steps: the occupancy is a host decision made here, outside the trace
-        occupancy = "all" if cache.all_valid else "mask"
+        # static-shape steps: the cache's occupancy, asked here, outside the trace
+        occupancy = cache.occupancy(static=True)
         if self.mode == "compile":
             return self._compiled(x, t, cache, cross, rope[0], rope[1], occupancy)
         if not cache.graph_safe_writes and occupancy != "all":

@@ -1,10 +1,10 @@
-"""Mass budgets: the dropped-mass identity, its error bounds, and the eviction policies.
+"""Mass budgets: the dropped-mass identity, its error bounds, and the per-query oracles.
 
 - :mod:`streamkv.budget.mass` — ``o - o_K = m * (mean_D - mean_K)`` and the bounds
   ``m * range_c`` (per channel, L-infinity) and ``m * diam`` (L2). Prior art:
   Tzachristas et al., arXiv 2512.07647.
-- :mod:`streamkv.budget.policies` — :class:`Full`, :class:`FixedWindow`,
-  :class:`MassBudget`: frozen dataclasses that choose the kept set.
+- :mod:`streamkv.budget.oracles` — :class:`Full`, :class:`FixedWindow`,
+  :class:`PerQueryMass`: per-query oracles (frozen dataclasses) that choose the kept set.
 """
 
 from .mass import (
@@ -22,7 +22,7 @@ from .mass import (
     value_diameter,
     weighted_mean,
 )
-from .policies import FixedWindow, Full, MassBudget, Policy
+from .oracles import FixedWindow, Full, PerQueryMass, Oracle
 
 __all__ = [
     "check_tau",
@@ -38,8 +38,8 @@ __all__ = [
     "value_diameter",
     "linf_bound",
     "l2_bound",
-    "Policy",
+    "Oracle",
     "Full",
     "FixedWindow",
-    "MassBudget",
+    "PerQueryMass",
 ]

@@ -1,13 +1,20 @@
-"""KV caches: each is storage plus a slot policy, sharing one chunk lifecycle."""
+"""KV caches: storage plus a slot policy, one chunk lifecycle, observers.
 
-from .base import KVCache, LayerView
-from .cacheset import CACHE_KINDS, CacheSet
-from .chronological import ChronologicalCache
-from .h2o import H2OCache
-from .mass import MassBudgetCache
-from .ring import RingCache
+- :class:`KVCache` (:mod:`.cache`) and the named kinds (:mod:`.kinds`): ``RingCache``,
+  ``ChronologicalCache``, ``MassBudgetCache``, ``H2OCache``, ``TOVACache``;
+- :class:`KVRead` (:mod:`.read`): what attention reads, decided by the cache in one place;
+- :class:`CacheObserver`, :class:`EvictionEvent` (:mod:`.observers`);
+- :class:`CacheSpec` (:mod:`.spec`) and :class:`CacheSet` (:mod:`.cacheset`).
+"""
 
-CACHE_KINDS["mass"] = MassBudgetCache
-CACHE_KINDS["h2o"] = H2OCache
+from .cache import MAX_POSITION, KVCache, LayerView, Transition
+from .cacheset import CacheSet
+from .kinds import CACHE_KINDS, ChronologicalCache, H2OCache, MassBudgetCache, RingCache, TOVACache
+from .observers import CacheObserver, EvictionEvent
+from .read import KVRead
+from .spec import CacheSpec
 
-__all__ = ["KVCache", "LayerView", "RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "CacheSet", "CACHE_KINDS"]
+__all__ = [
+    "KVCache", "LayerView", "Transition", "KVRead", "CacheObserver", "EvictionEvent", "CacheSpec", "CacheSet",
+    "RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "TOVACache", "CACHE_KINDS", "MAX_POSITION",
+]

@@ -1,13 +1,16 @@
-"""All layers of a model, with independent branches (``cond`` / ``uncond`` for CFG).
+"""All layers of a model, with independent branches (``cond`` / ``uncond`` for guidance).
 
 One allocation holds every branch and layer::
 
     K: [branches, layers, *k_shape]      V: [branches, layers, *v_shape]
 
-Each branch is a full cache (its own host counters and device metadata) over its
-slice of that allocation; branches share no state, so resetting, reopening or
-advancing one never touches another. ``begin_chunk`` / ``commit_chunk`` / ``reset``
-act on all branches by default (one call per model step), or on the named ones.
+Each branch is a full cache (its own host counters, device metadata and policy state) over its
+slice of that allocation; branches share no state, so resetting, reopening or advancing one
+never touches another. One branch is allocated unless more are asked for (guidance doubles
+the memory, so it is never implied).
+
+``begin_chunk`` / ``commit_chunk`` / ``reset`` act on every branch (or the named ones) and are
+all or nothing: every member is checked, planned and announced first, then all change.
 """
 
 from __future__ import annotations
@@ -17,90 +20,76 @@ from typing import Any
 
 import torch
 
-from .base import KVCache, LayerView
-from .chronological import ChronologicalCache
-from .ring import RingCache
+from .cache import KVCache, LayerView
+from .spec import CacheSpec
 
-__all__ = ["CacheSet", "CACHE_KINDS"]
-
-#: Cache classes by the name the CLI and configs use.
-CACHE_KINDS: dict[str, type[KVCache]] = {
-    "ring": RingCache,
-    "chronological": ChronologicalCache,
-}
+__all__ = ["CacheSet"]
 
 
 class CacheSet:
     """Caches for ``num_layers`` layers x ``branches``.
 
     Args:
-        kind: a cache class or a name from :data:`CACHE_KINDS` (``"ring"``,
-            ``"chronological"``; more are registered by their modules).
-        k_shape, v_shape, seq_dim, sink, window, chunk, dtype, device: as for
-            :class:`~streamkv.caches.base.KVCache` (per layer).
-        num_layers: layers per branch.
-        branches: branch names, e.g. ``("cond", "uncond")`` or ``("cond",)``.
-        **cache_kwargs: extra arguments of the cache class (e.g. ``tau``).
+        kind: a cache kind (``"ring"``, ``"chronological"``, ``"mass"``, ``"h2o"``, ``"tova"``),
+            a policy class or instance, or a cache class.
+        spec: a :class:`~streamkv.caches.spec.CacheSpec` (per branch); or give its fields as
+            keywords (``k_shape=..., seq_dim=..., sink=...``).
+        branches: branch names; default ``("cond",)``; ``("cond", "uncond")`` for CFG.
+        **kwargs: spec fields (without ``spec``), then the policy's parameters (``tau=0.05``).
     """
 
     def __init__(
         self,
-        kind: str | type[KVCache],
+        kind: Any,
+        spec: CacheSpec | None = None,
         *,
-        k_shape: Sequence[int],
-        v_shape: Sequence[int],
-        seq_dim: int,
-        sink: int,
-        window: int,
-        chunk: int,
-        num_layers: int,
-        branches: Sequence[str] = ("cond", "uncond"),
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        **cache_kwargs: Any,
+        branches: Sequence[str] = ("cond",),
+        **kwargs: Any,
     ) -> None:
-        cls = self._resolve(kind)
+        fields = CacheSpec.field_names()
+        spec_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        if spec is None:
+            missing = sorted(f for f in ("k_shape", "v_shape", "seq_dim", "sink", "window", "chunk") if f not in spec_kw)
+            if missing:
+                raise TypeError(f"CacheSet needs a spec or the keywords {missing}")
+            spec = CacheSpec(**spec_kw)
+        elif not isinstance(spec, CacheSpec):
+            raise TypeError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        elif spec_kw:
+            spec = spec.replace(**spec_kw)
+        if isinstance(branches, str) or not isinstance(branches, Sequence):
+            raise TypeError(f"branches must be a sequence of names, got {branches!r}")
         branches = tuple(branches)
         if not branches or any(not isinstance(b, str) or not b for b in branches):
             raise ValueError(f"branches must be non-empty names, got {branches!r}")
         if len(set(branches)) != len(branches):
             raise ValueError(f"branches must be distinct, got {branches!r}")
-        config = dict(
-            seq_dim=seq_dim, sink=sink, window=window, chunk=chunk,
-            num_layers=num_layers, dtype=dtype, **cache_kwargs,
-        )
         # validate every argument on the meta device (no memory) before allocating
-        probe = cls(k_shape, v_shape, device="meta", **config)
+        probe = spec.replace(device="meta").build(kind, **kwargs)
+        device = spec.device
         nb = len(branches)
-        self._k = torch.zeros((nb, num_layers, *probe.k_shape), dtype=dtype, device=device)
-        self._v = torch.zeros((nb, num_layers, *probe.v_shape), dtype=dtype, device=device)
-        self.kind = cls
+        self._k = torch.zeros((nb, *probe.storage.keys.shape), dtype=spec.dtype, device=device)
+        self._v = torch.zeros((nb, *probe.storage.values.shape), dtype=spec.dtype, device=device)
+        self.spec = spec
         self.branches = branches
-        self.num_layers = num_layers
+        self.num_layers = probe.num_layers
         self._caches: dict[str, KVCache] = {
-            name: cls(k_shape, v_shape, device=device, buffers=(self._k[i], self._v[i]), **config)
-            for i, name in enumerate(branches)
+            name: spec.build(kind, buffers=(self._k[i], self._v[i]), **kwargs) for i, name in enumerate(branches)
         }
-
-    @staticmethod
-    def _resolve(kind: str | type[KVCache]) -> type[KVCache]:
-        if isinstance(kind, str):
-            if kind not in CACHE_KINDS:
-                raise ValueError(f"unknown cache kind {kind!r}; choose one of {sorted(CACHE_KINDS)}")
-            return CACHE_KINDS[kind]
-        if isinstance(kind, type) and issubclass(kind, KVCache):
-            return kind
-        raise TypeError(f"kind must be a cache name or a KVCache subclass, got {kind!r}")
+        self.kind = self._caches[branches[0]].name
 
     # --------------------------------------------------------------- access
     def __getitem__(self, branch: str) -> KVCache:
         try:
             return self._caches[branch]
-        except KeyError:
+        except (KeyError, TypeError):
             raise KeyError(f"no branch {branch!r}; this set has {list(self.branches)}") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.branches)
+
+    def __len__(self) -> int:
+        return len(self.branches)
 
     def layer(self, branch: str, layer: int) -> LayerView:
         return self[branch].layer(layer)
@@ -112,38 +101,47 @@ class CacheSet:
 
     # ------------------------------------------------------------ lifecycle
     def _select(self, branches: Iterable[str] | None) -> list[KVCache]:
-        names = self.branches if branches is None else tuple(branches)
+        if branches is None:
+            return [self._caches[b] for b in self.branches]
+        if isinstance(branches, str):
+            raise TypeError(f"branches must be a sequence of names, got the string {branches!r}")
+        names = tuple(branches)
+        if len(set(names)) != len(names):
+            raise ValueError(f"branches must be distinct, got {names!r}")
         return [self[b] for b in names]
 
     def begin_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
-        """``begin_chunk`` on every (or the named) branch; all-or-nothing."""
-        caches = self._select(branches)
-        for cache in caches:
-            cache.check_begin(chunk_idx)
-        for cache in caches:
-            cache.begin_chunk(chunk_idx)
+        """``begin_chunk`` on every (or the named) branch; all or nothing."""
+        for t in [cache.prepare_begin(chunk_idx) for cache in self._select(branches)]:
+            t.apply()
 
     def commit_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
-        """``commit_chunk`` on every (or the named) branch; all-or-nothing."""
-        caches = self._select(branches)
-        for cache in caches:
-            cache.check_commit(chunk_idx)
-        for cache in caches:
-            cache.commit_chunk(chunk_idx)
+        """``commit_chunk`` on every (or the named) branch; all or nothing (a branch that
+        refuses, e.g. non-finite statistics, leaves every branch open and unchanged)."""
+        for t in [cache.prepare_commit(chunk_idx) for cache in self._select(branches)]:
+            t.apply()
 
     def reset(self, branches: Iterable[str] | None = None) -> None:
-        for cache in self._select(branches):
+        caches = self._select(branches)
+        for cache in caches:
+            cache._check_mutable("reset")
+        for cache in caches:
             cache.reset()
 
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
+        """Every branch's :meth:`~streamkv.caches.KVCache.state_dict` (copies), by name."""
         return {name: cache.state_dict() for name, cache in self._caches.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load every branch; all validated before any is loaded."""
         if not isinstance(state, dict) or set(state) != set(self.branches):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state dict must have branches {sorted(self.branches)}, got {got}")
-        for name in self.branches:  # validate all before loading any
+        for name in self.branches:
             self[name].validate_state(state[name])
         for name in self.branches:
             self[name].load_state_dict(state[name])
+
+    def __repr__(self) -> str:
+        return f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers})"

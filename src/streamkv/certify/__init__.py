@@ -7,12 +7,13 @@ recall from an offload tier when the bound exceeds a threshold.
 - :mod:`~streamkv.certify.summary` — per (layer, head) block summaries of evicted tokens
   (count, key box), grouping by key similarity, bounded memory by merging.
 - :mod:`~streamkv.certify.store` — the host offload store (pinned + non_blocking on CUDA).
-- :mod:`~streamkv.certify.cache` — :class:`CertifiedRingCache`, :class:`CertifiedMassCache`,
-  :class:`CertifiedCacheSet`, recall.
-- :mod:`~streamkv.certify.shadow` — the whole-history float64 reference that checks every
-  certificate.
-- :mod:`~streamkv.certify.synthetic`, :mod:`~streamkv.certify.experiment` — synthetic
-  video Q/K/V streams, the rollouts and the report behind ``streamkv certify``.
+- :mod:`~streamkv.certify.certifier` — :class:`Certifier`, the observer that summarises and
+  offloads evicted tokens, certifies every attention step and recalls into the cache's recall
+  slots (a storage option: ``recall_slots=R``).
+- :mod:`~streamkv.certify.shadow` — :class:`HistoryCheck`, the whole-history float64
+  reference that checks every certificate.
+
+The experiments behind ``streamkv certify`` live in :mod:`streamkv.lab.experiments.certify`.
 
 Prior art: the per-channel min/max key box and its logit bound are Quest's page metadata
 (Tang et al., ICML 2024, arXiv 2406.10774), used there to rank pages for sparse reads. What
@@ -22,14 +23,7 @@ and recall that keeps it under a threshold.
 """
 
 from .bound import Certificate, certify
-from .cache import (
-    CERTIFIED_KINDS,
-    CertifiedCacheSet,
-    CertifiedMassCache,
-    CertifiedMixin,
-    CertifiedRingCache,
-    certified_attend,
-)
+from .certifier import CertificateMonitor, Certifier, attach
 from .shadow import HistoryCheck
 from .store import OffloadStore
 from .summary import BlockSummaries
@@ -39,11 +33,8 @@ __all__ = [
     "certify",
     "BlockSummaries",
     "OffloadStore",
-    "CertifiedMixin",
-    "CertifiedRingCache",
-    "CertifiedMassCache",
-    "CertifiedCacheSet",
-    "CERTIFIED_KINDS",
-    "certified_attend",
+    "Certifier",
+    "CertificateMonitor",
+    "attach",
     "HistoryCheck",
 ]

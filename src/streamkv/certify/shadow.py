@@ -1,8 +1,9 @@
 """The whole-history reference: what full attention would have given, checked against every
 certificate.
 
-:class:`HistoryCheck` is a :class:`~streamkv.certify.cache.Monitor`. It keeps every K/V a
-certified cache was ever handed (float64 copies, by position: chunk ``c`` occupies positions
+:class:`HistoryCheck` observes a certified cache (a :class:`~streamkv.caches.CacheObserver`
+of the cache, and a monitor of its :class:`~streamkv.certify.Certifier`). It keeps every K/V
+the cache was ever handed (float64 copies, by position: chunk ``c`` occupies positions
 ``[c * chunk, (c + 1) * chunk)``, the open chunk holding its latest write), independently of
 the cache's slots, summaries and store. At every certified attention step it computes, in
 float64, for each query and head:
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..caches import CacheObserver
 from .bound import Certificate
 
 __all__ = ["HistoryCheck", "StepRecord"]
@@ -60,10 +62,12 @@ class StepRecord:
     log_masses: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (log m_hat, log m) per row
 
 
-class HistoryCheck:
+class HistoryCheck(CacheObserver):
     """Whole-history float64 reference for a certified cache (one branch, all layers).
 
     Args:
+        certifier: the :class:`~streamkv.certify.Certifier` whose certificates are checked
+            (this check observes its cache and receives its certificates).
         check_storage: also verify at every step that each kept slot holds the history's
             K/V at its position (exact equality; costs a gather per step).
         keep_rows: keep every nontrivial row's ``(log m_hat, log m)`` pair (for plots).
@@ -76,11 +80,15 @@ class HistoryCheck:
             step's queries) — the floor that certified recall is compared with.
     """
 
-    def __init__(self, *, check_storage: bool = False, keep_rows: bool = False, tau: float | None = None) -> None:
+    def __init__(self, certifier, *, check_storage: bool = False, keep_rows: bool = False,
+                 tau: float | None = None) -> None:
+        self.certifier = certifier
         self.check_storage = check_storage
         self.keep_rows = keep_rows
         self.tau = tau
         self.reset_all()
+        certifier.cache.add_observer(self)
+        certifier.add_monitor(self)
 
     def reset_all(self) -> None:
         self._k: dict[int, Tensor] = {}
@@ -91,13 +99,13 @@ class HistoryCheck:
         self.rows = 0
         self.pairs: list[tuple[Tensor, Tensor]] = []
 
-    # ------------------------------------------------------------ monitor API
+    # ------------------------------------------------------------ observer API
     def on_reset(self, cache) -> None:
         self._k.clear()
         self._v.clear()
         self._chunk = -1
 
-    def on_begin(self, cache, chunk_idx: int) -> None:
+    def on_begin(self, cache, chunk_idx: int, advance: bool) -> None:
         self._chunk = chunk_idx
         if not self.steps or self.steps[-1].chunk != chunk_idx:
             self.steps.append(StepRecord(chunk=chunk_idx))
@@ -125,7 +133,8 @@ class HistoryCheck:
         else:
             self._dev_acc[name] = torch.maximum(cur, value)
 
-    def on_certificate(self, cache, layer: int, q: Tensor, cert: Certificate) -> None:
+    def on_certificate(self, certifier, layer: int, q: Tensor, cert: Certificate) -> None:
+        cache = certifier.cache
         C = cache.layout.chunk
         N = (self._chunk + 1) * C
         K = self._k[layer][:, :N].transpose(1, 2)  # [B, H, N, D] float64
@@ -133,15 +142,13 @@ class HistoryCheck:
         B, H, _, _ = K.shape
         qh = q.transpose(1, 2).double()  # [B, H, Q, D]
         Q = qh.shape[2]
-        pos = cache.layer_slot_positions(layer)
-        if pos.dim() == 1:
-            pos = pos.expand(H, -1)
+        pos = cache.layer_slot_positions(layer)  # [H, S], recall slots included
         kept = torch.zeros((H, N + 1), dtype=torch.bool, device=K.device)
         kept.scatter_(1, torch.where(pos >= 0, pos, N).clamp(max=N), True)
         kept = kept[:, :N]  # [H, N]
         if self.check_storage:
             self._check_storage(cache, layer, pos, N)
-        s = (qh @ K.transpose(-1, -2)) * cache.scale  # [B, H, Q, N]
+        s = (qh @ K.transpose(-1, -2)) * certifier.scale  # [B, H, Q, N]
         ninf = torch.tensor(-math.inf, dtype=torch.float64, device=K.device)
         keptb = kept.view(1, H, 1, N)
         sk = torch.where(keptb, s, ninf)
@@ -155,7 +162,7 @@ class HistoryCheck:
         n_d = N - kept.sum(-1)  # [H] evicted per head
         nontrivial = (n_d > 0).view(1, H, 1).expand(B, H, Q)
         # bookkeeping: the summaries must cover exactly D
-        summ = cache.summaries[layer]
+        summ = certifier.summaries[layer]
         active_count = (summ.count * summ.active).sum(-1)  # [H]
         self._acc("count_mismatch", (active_count != n_d).sum(), "sum")
         self._acc("kept_outside_history", (pos >= N).sum(), "sum")
@@ -170,7 +177,7 @@ class HistoryCheck:
         self._acc("nontrivial", nontrivial.sum(), "sum")
         if self.tau is not None:
             self._acc("over_tau", ((cert.error > self.tau * cert.gap).any(-1) | (cert.mass > self.tau)).sum(), "sum")
-            self._oracle(cache, layer, s, N)
+            self._oracle(certifier, layer, s, N)
         self.rows += B * H * Q
         st = self.steps[-1]
         st.rows += B * H * Q
@@ -193,12 +200,10 @@ class HistoryCheck:
         self._acc("true_err_max", err.amax() if err.numel() else zero, "max")
         self._acc("cert_mass_max", cert.mass.amax(), "max")
 
-    def _oracle(self, cache, layer: int, s: Tensor, N: int) -> None:
+    def _oracle(self, certifier, layer: int, s: Tensor, N: int) -> None:
         """Oracle recall need of this step (see the class docstring); one host read per step."""
         H = s.shape[1]
-        pos = cache.main_slot_positions(layer)
-        if pos.dim() == 1:
-            pos = pos.expand(H, -1)
+        pos = certifier.main_slot_positions(layer)
         kept = torch.zeros((H, N + 1), dtype=torch.bool, device=s.device)
         kept.scatter_(1, torch.where(pos >= 0, pos, N).clamp(max=N), True)
         kept = kept[:, :N]
@@ -212,7 +217,7 @@ class HistoryCheck:
         need = torch.where(ok, torch.arange(N + 1, device=s.device), N + 1).amin(-1).amax()
         st = self.steps[-1]
         st.oracle_recall = max(st.oracle_recall, int(need))
-        st.recall_in_use = max(st.recall_in_use, cache.recall_slots_in_use())
+        st.recall_in_use = max(st.recall_in_use, certifier.recall_slots_in_use())
 
     def _check_storage(self, cache, layer: int, pos: Tensor, N: int) -> None:
         kx = cache.keys(layer).transpose(1, 2).double()  # [B, H, S, D]

@@ -387,6 +387,11 @@ class BlockSummaries:
                 return s.first + j if j < s.g else None
         return None
 
+    def set_active(self, head: int, block: int, active: bool) -> None:
+        """Count a block's tokens of ``head`` as evicted (True) or as held elsewhere (False,
+        e.g. recalled into the cache)."""
+        self._active[head, block] = active
+
     def seal(self, block: int) -> None:
         """The set of ``block`` takes no more events (its block is being recalled)."""
         for s in self.sets:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..caches.ring import RingCache
+from ..caches import RingCache
 
 __all__ = ["CircularBlockKVCache"]
 
@@ -95,11 +95,11 @@ class CircularBlockKVCache:
     # ----------------------------------------------------------- reading
     def cached_k(self) -> Tensor:
         """Keys of the occupied slots in physical order (valid prefix while filling)."""
-        return self._ring.valid_keys()
+        return self._ring.keys().narrow(self.seq_dim, 0, self._ring.num_valid)
 
     def cached_v(self) -> Tensor:
         """Values of the occupied slots in physical order (valid prefix while filling)."""
-        return self._ring.valid_values()
+        return self._ring.values().narrow(self.seq_dim, 0, self._ring.num_valid)
 
     @property
     def size(self) -> int:
@@ -111,7 +111,7 @@ class CircularBlockKVCache:
         """Right edge of the open chunk in the chronological layout (see module notes)."""
         chunk = self._require_open("write_end")
         if self._ring.end > self._ring.layout.capacity:
-            slots = self._ring.write_slots.tolist()
+            slots = self._ring.write_slots[0, 0].tolist()
             raise RuntimeError(
                 f"write_end is undefined on the ring after the first eviction: chunk {chunk} "
                 f"occupies slots {slots}, not [size - chunk_size, size). Cache-relative RoPE "

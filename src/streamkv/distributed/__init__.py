@@ -5,12 +5,11 @@ per-rank caches.
   all-to-all exchanges between token shards and head shards;
 - :func:`check_split` — heads and chunk tokens must divide by the world size;
 - :func:`launch` — run a function on ``N`` spawned ranks (gloo on CPU, NCCL on CUDA)
-  and collect what each returns;
-- :func:`compare_context_parallel` — the same rollouts on one process and on ``N``
-  ranks: parity and per-rank cache bytes (``streamkv rollout --nproc N``).
+  and collect what each returns; :func:`init_from_env` — join a group started by
+  ``torchrun`` (``env://``).
 
-``group`` depends on torch only (the model imports it); ``launcher`` and ``compare`` sit
-above the rollout and are imported on first use.
+The comparison of context-parallel rollouts against one process is an experiment
+(:mod:`streamkv.lab.experiments.cp_compare`).
 """
 
 from __future__ import annotations
@@ -19,13 +18,9 @@ from typing import Any
 
 from .group import ContextParallel, check_split
 
-__all__ = ["ContextParallel", "check_split", "launch", "compare_context_parallel", "CPCompareResult"]
+__all__ = ["ContextParallel", "check_split", "launch", "init_from_env", "rank_device"]
 
-_LAZY = {
-    "launch": ".launcher",
-    "compare_context_parallel": ".compare",
-    "CPCompareResult": ".compare",
-}
+_LAZY = {"launch": ".launcher", "init_from_env": ".launcher", "rank_device": ".launcher"}
 
 
 def __getattr__(name: str) -> Any:

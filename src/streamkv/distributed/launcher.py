@@ -9,6 +9,11 @@ An exception in any rank is raised in the caller with that rank's traceback.
 
 ``fn`` must be importable by the children (a module-level function). Return values
 travel through ``torch.save`` files in the temporary directory, so tensors are fine.
+
+``init_from_env()`` is the other way in: under ``torchrun`` (which sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) it initialises the
+default group through ``env://`` and returns the rank's ``ContextParallel``, so a user who
+outgrows one machine runs the same rollout with the launcher they already know.
 """
 
 from __future__ import annotations
@@ -23,7 +28,28 @@ import torch
 
 from .group import ContextParallel
 
-__all__ = ["launch"]
+__all__ = ["launch", "init_from_env", "rank_device"]
+
+
+def init_from_env(device: str = "cpu") -> ContextParallel:
+    """Join the process group described by ``torchrun``'s environment (``env://``): gloo for
+    ``device="cpu"``, NCCL on ``cuda:LOCAL_RANK`` for ``"cuda"``. Returns this rank's group.
+
+    Raises:
+        RuntimeError: the environment of a launcher (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+            ``MASTER_PORT``) is missing.
+    """
+    import torch.distributed as dist
+
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env needs a launcher's environment (torchrun); {missing} not set")
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method="env://")
+    return ContextParallel.from_group()
 
 
 def launch(

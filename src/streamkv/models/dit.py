@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import Occupancy, Order, attend
-from ..caches.base import KVCache
+from ..attention import Order, attend
+from ..caches import CacheSpec, KVCache, KVRead
+from ..caches.read import Occupancy
 from ..distributed.group import check_split
 from ..rope import Rope3D
 from .config import DiTConfig
@@ -118,18 +119,17 @@ class Block(nn.Module):
         cos, sin = rope
         if rope_mode == "absolute":
             q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
-            _timed_write(kv, k, v, timer)
-            if kv.cache.observes_queries:  # e.g. a mass budget scores its keys with them at commit
-                kv.observe_queries(q)
-            attn, _ = attend(q, kv, order=order, occupancy=occupancy)
-        else:
-            _timed_write(kv, k, v, timer)
-            cache = kv.cache
-            n, c = cache.num_valid, cache.layout.chunk
+            read = _timed(timer, kv.update, k, v, q, occupancy=occupancy)
+            attn, _ = attend(q, read, order=order)
+        else:  # keys stored unrotated, rotated by their chronological index at read time
+            read = _timed(timer, kv.update, k, v, occupancy=occupancy)
+            n, c = read.num_retained, q.shape[1]
+            if n is None:
+                raise ValueError(f"cache-relative RoPE needs the chronological path: {read.chronological_refusal}")
             rel_cos, rel_sin = relative_rope(n)  # tables for relative positions 0..n-1
             q = Rope3D.rotate(q, rel_cos[n - c :].unsqueeze(1), rel_sin[n - c :].unsqueeze(1))
             attn, _ = attend(
-                q, kv, order=order, rope="cache_relative",
+                q, read, order=order, rope="cache_relative",
                 key_transform=lambda kc: Rope3D.rotate(kc, rel_cos, rel_sin),
             )
         if cp is not None:
@@ -148,17 +148,19 @@ class Block(nn.Module):
         return x + gate2.unsqueeze(1) * self.ffn(h)
 
 
-def _timed_write(kv, k: Tensor, v: Tensor, timer: Callable[[float], None] | None) -> None:
+def _timed(timer: Callable[[float], None] | None, fn: Callable[..., KVRead], *args, **kwargs) -> KVRead:
+    """``fn(*args, **kwargs)``, its seconds reported to ``timer`` (synchronising on CUDA)."""
     if timer is None:
-        kv.write(k, v)
-        return
-    if k.is_cuda:
-        torch.cuda.synchronize(k.device)
+        return fn(*args, **kwargs)
+    cuda = args[0].is_cuda
+    if cuda:
+        torch.cuda.synchronize(args[0].device)
     t0 = time.perf_counter()
-    kv.write(k, v)
-    if k.is_cuda:
-        torch.cuda.synchronize(k.device)
+    out = fn(*args, **kwargs)
+    if cuda:
+        torch.cuda.synchronize(args[0].device)
     timer(time.perf_counter() - t0)
+    return out
 
 
 def timestep_embedding(t: Tensor, dim: int) -> Tensor:
@@ -217,24 +219,28 @@ class CausalVideoDiT(nn.Module):
         shape = (batch, c.sink_tokens + c.window_tokens, c.heads // world_size, c.head_dim)
         return shape, shape
 
-    def cache_kwargs(self, batch: int, world_size: int = 1) -> dict:
-        """Keyword arguments for :class:`~streamkv.caches.CacheSet` matching this model
-        (one rank's heads when ``world_size > 1``)."""
+    def cache_spec(self, batch: int, world_size: int = 1) -> CacheSpec:
+        """The :class:`~streamkv.caches.CacheSpec` of this model's self-attention cache (one
+        rank's heads when ``world_size > 1``), in the model's dtype and on its device."""
         k_shape, v_shape = self.cache_shapes(batch, world_size)
         c = self.cfg
-        return dict(
+        p = next(self.parameters())
+        return CacheSpec(
             k_shape=k_shape, v_shape=v_shape, seq_dim=1, sink=c.sink_tokens, window=c.window_tokens,
-            chunk=c.chunk_tokens, num_layers=c.layers,
+            chunk=c.chunk_tokens, num_layers=c.layers, head_dim=2, dtype=p.dtype, device=p.device,
         )
 
     def check_cache(self, cache: KVCache, batch: int, world_size: int = 1) -> None:
         """Raise ``ValueError`` unless ``cache`` was built for this model and batch size
-        (and for one rank of ``world_size``)."""
-        want = self.cache_kwargs(batch, world_size)
+        (and for one rank of ``world_size``), in its dtype and on its device."""
+        want = self.cache_spec(batch, world_size)
         got = dict(
             k_shape=cache.k_shape, v_shape=cache.v_shape, seq_dim=cache.seq_dim, sink=cache.layout.sink,
             window=cache.layout.window, chunk=cache.layout.chunk, num_layers=cache.num_layers,
+            head_dim=cache.head_dim, dtype=cache.dtype, device=cache.device,
         )
+        want = {k: getattr(want, k) for k in got}
+        want["device"] = torch.device(want["device"])
         bad = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
         if bad:
             detail = ", ".join(f"{k}={g} (model needs {w})" for k, (g, w) in bad.items())

@@ -1,0 +1,93 @@
+"""``KVRead``: what attention reads from one layer of a cache, decided in one place.
+
+A cache's :meth:`~streamkv.caches.KVCache.read` (or a layer handle's ``update``) returns it;
+:func:`~streamkv.attention.attend` consumes it, and so can any other attention kernel:
+``keys``/``values`` are the buffers as they lie, ``bias()`` the additive mask over their slots
+(or None), ``positions`` what each slot holds per head. The cache decides here, once, how
+empty slots are handled (``occupancy``) and which paths are exact:
+
+``all``     every slot holds a retained token: attend over the whole buffer, no mask;
+``prefix``  the occupied slots are ``[0, visible)``: attend over that slice;
+``mask``    an additive ``-inf`` bias on empty slots, built on the device from ``positions``
+            (static shapes: what compiled steps, CUDA graphs and per-head caches use).
+
+The chronological path (keys in position order, needed for masks over positions and for
+cache-relative RoPE) exists only where every head holds the same positions; elsewhere
+``chronological_refusal`` says why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVRead", "Occupancy"]
+
+Occupancy = Literal["all", "prefix", "mask"]
+
+
+@dataclass(frozen=True)
+class KVRead:
+    """One layer of a cache, ready to be attended to (see the module docstring).
+
+    Attributes:
+        keys, values: the physical buffers of the layer (tokens at ``seq_dim``; recall slots
+            included), views of the cache's storage.
+        seq_dim: the token dim of ``keys``; ``head_axis``: the head's index among the leading
+            dims once tokens are moved next to the features (None: no head dim).
+        positions: device ``int64 [H, S]``, the position each slot holds per head (``-1``: empty).
+        occupancy, visible: how empty slots are handled; ``visible`` slots are read (the
+            prefix length for ``"prefix"``).
+        query_positions: device ``int64 [chunk]``, the positions of the open chunk's rows (the
+            queries of the chunk being written), for position-causal masks; None if no chunk is open.
+        empty: no token has entered the cache (attention would read nothing).
+        num_retained: rows of the chronological view (host int), None where it is refused.
+        chronological: returns ``(keys, values, positions)`` in position order (a gathered copy;
+            ``positions`` a host list), or None where ``chronological_refusal`` says why.
+        scorer: for caches whose policy needs queries: receives the per-key statistics
+            ``(max, sum) [H, S]`` of the attention that reads this (``attend`` delivers them).
+        name: ``"<kind> layer <i>"``, for messages.
+    """
+
+    keys: Tensor
+    values: Tensor
+    seq_dim: int
+    head_axis: int | None
+    positions: Tensor
+    occupancy: Occupancy
+    visible: int
+    query_positions: Tensor | None
+    empty: bool
+    num_retained: int | None
+    chronological: Callable[[], tuple[Tensor, Tensor, list[int]]] | None
+    chronological_refusal: str | None
+    scorer: Callable[[Tensor, Tensor], None] | None
+    bias_fn: Callable[[Tensor, torch.dtype], Tensor]
+    name: str
+
+    def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
+        """The additive bias over the slots read (``-inf`` on empty ones), broadcastable
+        against scores ``[..., Q, S]`` of the layer moved to ``[..., T, D]``; None for
+        ``"all"`` and ``"prefix"`` (nothing to hide)."""
+        if self.occupancy != "mask":
+            return None
+        return self.bias_fn(self.positions, dtype)
+
+    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The bias of position-causal attention over the slots read: a query at position
+        ``p`` sees the occupied slots holding positions ``<= p`` (exact in physical order:
+        the mask is a function of positions, not of where they lie). ``query_positions``:
+        ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
+        pos = self.positions[:, : self.visible]  # [H, S]
+        hidden = (pos.unsqueeze(-2) < 0) | (pos.unsqueeze(-2) > query_positions.view(-1, 1))  # [H, Q, S]
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
+        lead = self.keys.dim() - 2
+        shape = [1] * lead + list(bias.shape[-2:])
+        if self.head_axis is None:
+            return bias[0].view(shape)
+        shape[self.head_axis] = bias.shape[0]
+        return bias.view(shape)

@@ -1,0 +1,249 @@
+"""Tables (rich) and the scaling plot (matplotlib, Agg) of a benchmark document."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from streamkv.lab.plotting import pyplot, save
+from streamkv.lab.bench.maintenance import LABELS, SUBJECTS
+
+__all__ = ["print_report", "plot_scaling", "RENDERERS", "register_renderer", "fmt_bytes"]
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1234567`` -> ``"1.23 MB"`` (decimal units); exact below 1 kB."""
+    if n is None:
+        return "-"
+    if abs(n) < 1000:
+        return f"{int(n)} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000
+        if abs(n) < 1000:
+            return f"{n:.3g} {unit}"
+    return f"{n:.3g} PB"
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _maintenance_table(name: str, rec: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    ver = rec["versions"]
+    stats = rec["maintenance_stats_ms"]
+    ring = stats.get("ring", {}).get("median")
+    t = Table(
+        title=f"[b]{name}[/]: cache maintenance per AR step and layer, steady state, "
+        f"{ver['device_name']}, {ver['torch_threads']} threads, median of {rec.get('timing_repeats')} after warm-up",
+        caption=f"{rec['preset']['description']}. " + "; ".join(f"{k} = {LABELS[k]}" for k in SUBJECTS)
+        + ". written = chunk + retained + clone temporaries (K+V); traffic = 2 x written; "
+        "transient = bytes allocated in one steady step (allocations) / peak above the step's start; "
+        "faults = minor page faults in one step",
+        title_justify="left",
+    )
+    for col in ("cache", "median ms", "p10-p90 ms", "/ ring", "written", "traffic", "GB/s", "transient", "peak",
+                "faults"):
+        t.add_column(col, justify="left" if col == "cache" else "right")
+    for key in SUBJECTS:
+        s = stats.get(key)
+        if s is None:
+            t.add_row(key, "not run", *[""] * 8)
+            continue
+        b = rec["bytes_moved"][key]
+        tr = rec["transient_bytes"].get(key)
+        if b is None:
+            t.add_row(key, "not run", *[""] * 8)
+            continue
+        gbs = rec["achieved_gb_per_s"].get(key)
+        t.add_row(
+            key, _ms(s["median"]), f"{_ms(s['p10'])}-{_ms(s['p90'])}", _x(s["median"] / ring if ring else None),
+            fmt_bytes(b["written_total"]), fmt_bytes(b["traffic"]), "-" if gbs is None else f"{gbs:.1f}",
+            "-" if tr is None else f"{tr['allocated_bytes']:,} B ({tr['allocations']})",
+            "-" if tr is None else f"{tr['peak_bytes']:,} B",
+            "-" if tr is None or tr.get("page_faults") is None else f"{tr['page_faults']:,}",
+        )
+    return t
+
+
+def _ratios_line(rec: dict[str, Any]) -> str:
+    line = (
+        f"current/ring [b]{_x(rec['ratio_current_over_ring'])}[/]   "
+        f"flashdreams/ring [b]{_x(rec['ratio_flashdreams_over_ring'])}[/]   "
+        f"ring/floor [b]{_x(rec['ratio_ring_over_floor'])}[/]"
+    )
+    tm = rec.get("timing")
+    if tm:
+        load = tm.get("foreign_cpu_share")
+        clean = ", ".join(
+            f"{k} {n}{'*' if tm['contended_included'][k] else ''}" for k, n in tm["clean_samples"].items()
+        )
+        line += (f"   [dim](clean samples: {clean}; * = too few, contended ones included"
+                 + ("" if load is None else f"; other processes' CPU share {load:.0%}") + ")[/]")
+    return line
+
+
+def _transient_line(rec: dict[str, Any]) -> str | None:
+    parts = []
+    for key, tr in rec.get("transient_bytes", {}).items():
+        if tr and tr["by_op"]:
+            ops = ", ".join(f"{op} {n:,} B" for op, n in sorted(tr["by_op"].items(), key=lambda kv: -kv[1]))
+            parts.append(f"{key}: {ops}")
+    return "allocations by op (worst probed step): " + "; ".join(parts) if parts else None
+
+
+def _counted_line(rec: dict[str, Any]) -> str:
+    parts = []
+    for key in SUBJECTS:
+        b = rec["bytes_moved"].get(key)
+        if b and "counted" in b:
+            c = b["counted"]
+            ok = c["cache"] == b["chunk_written"] + b["retained_copied"] and c["temporary"] == b["clone_temporary"]
+            parts.append(
+                f"{key} {fmt_bytes(c['cache'])} cache + {fmt_bytes(c['temporary'])} temp + "
+                f"{fmt_bytes(c['metadata'])} metadata ({'= analytic' if ok else '[red]!= analytic[/]'})"
+            )
+    return "bytes written, counted per aten op: " + "; ".join(parts)
+
+
+def _targets_table(rec: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="targets (the issue sets them at self-forcing on the CPU)", title_justify="left")
+    for col in ("target", "value", "threshold", "met"):
+        t.add_column(col, justify="left" if col == "target" else "right")
+    for key, tg in rec["targets"].items():
+        v = tg["value"]
+        value = "-" if v is None else (f"{int(v):,} B" if key.endswith("bytes") else f"{v:.2f}x")
+        thr = f"{int(tg['threshold'])} B" if key.endswith("bytes") else f"{tg['threshold']:g}x"
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "not measured"}[tg["met"]]
+        if tg.get("contended"):
+            met += " [yellow](contended: rerun on a quiet machine)[/]"
+        t.add_row(tg["target"], value, thr, met)
+    return t
+
+
+def _scaling_table(name: str, sc: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(
+        title=f"[b]{name}[/]: maintenance ms (median; p10-p90) vs window, chunk {sc['chunk_frames']} frames, "
+        f"sink {sc['sink_frames']} (median of {sc['repeats']}; * = too few clean samples, contended ones included)",
+        title_justify="left",
+    )
+    t.add_column("window (frames)", justify="right")
+    keys = [k for k in SUBJECTS if any(x is not None for x in sc["maintenance_ms"][k])]
+    for k in keys:
+        t.add_column(k, justify="right")
+    flagged = sc.get("contended_included", {})
+    for i, w in enumerate(sc["windows_frames"]):
+        cells = []
+        for k in keys:
+            m, lo, hi = sc["maintenance_ms"][k][i], sc["p10_ms"][k][i], sc["p90_ms"][k][i]
+            star = "*" if (flagged.get(k) or [None] * (i + 1))[i] else ""
+            cells.append("-" if m is None else f"{_ms(m)}{star} ({_ms(lo)}-{_ms(hi)})")
+        t.add_row(str(w), *cells)
+    growth = sc.get("growth_63_over_21")
+    if growth:
+        t.add_row("63 / 21", *[_x(growth[k]) for k in keys], style="bold")
+    return t
+
+
+def _write_kernels_table(name: str, wk: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"[b]{name}[/]: the ring's chunk write (K+V) by kernel, and its slot plan", title_justify="left")
+    for col in ("variant", "median ms", "p10-p90 ms", "/ copy_"):
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    for v, s in wk["stats_ms"].items():
+        t.add_row(v, _ms(s["median"]), f"{_ms(s['p10'])}-{_ms(s['p90'])}", _x(wk["over_copy"][v]))
+    return t
+
+
+#: section name -> renderer(console, preset name, record); add yours with register_renderer
+RENDERERS: dict[str, Callable[[Any, str, dict[str, Any]], None]] = {}
+
+
+def register_renderer(section: str, fn: Callable[[Any, str, dict[str, Any]], None]) -> None:
+    """Print a registered section's part of a record (called after the built-in tables)."""
+    RENDERERS[section] = fn
+
+
+def print_report(doc: dict[str, Any], console: Any = None) -> None:
+    """One block of tables per preset: maintenance, ratios, targets, scaling, kernels."""
+    from rich.console import Console
+
+    console = console or Console()
+    for name, rec in doc["presets"].items():
+        if "maintenance_stats_ms" in rec:
+            console.print(_maintenance_table(name, rec))
+            console.print(_ratios_line(rec))
+            console.print(_counted_line(rec), style="dim")
+            line = _transient_line(rec)
+            if line:
+                console.print(line, style="dim")
+        if rec.get("scaling"):
+            console.print(_scaling_table(name, rec["scaling"]))
+        if rec.get("write_kernels"):
+            console.print(_write_kernels_table(name, rec["write_kernels"]))
+            for n in rec["write_kernels"]["notes"]:
+                console.print(f"note: {n}", style="dim")
+        for section, render in RENDERERS.items():
+            if section in rec:
+                render(console, name, rec)
+        if "targets" in rec:
+            console.print(_targets_table(rec))
+        for n in rec.get("notes", []):
+            console.print(f"[yellow]note[/]: {n}")
+        console.print()
+
+
+_STYLE = {"current": ("tab:red", "o"), "flashdreams": ("tab:orange", "s"), "ring": ("tab:blue", "^"), "floor": ("0.4", "v")}
+
+
+def plot_scaling(doc: dict[str, Any], path: str | Path) -> Path | None:
+    """Maintenance time vs window size per cache, one panel per preset with a scaling
+    sweep (median, p10-p90 band, log scale). None if no preset has one."""
+    presets = [(n, r["scaling"]) for n, r in doc["presets"].items() if r.get("scaling")]
+    if not presets:
+        return None
+    plt = pyplot()
+
+    ncols = min(2, len(presets))
+    nrows = -(-len(presets) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.2 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(presets):]:
+        ax.set_visible(False)
+    for ax, (name, sc) in zip(flat, presets):
+        w = sc["windows_frames"]
+        flagged = sc.get("contended_included", {})
+        for k in SUBJECTS:
+            m = sc["maintenance_ms"][k]
+            if all(x is None for x in m):
+                continue
+            color, marker = _STYLE[k]
+            ax.plot(w, m, marker=marker, color=color, label=LABELS[k])
+            ax.fill_between(w, sc["p10_ms"][k], sc["p90_ms"][k], color=color, alpha=0.15, linewidth=0)
+            bad = [(x, y) for x, y, f in zip(w, m, flagged.get(k) or [False] * len(w)) if f and y is not None]
+            if bad:  # contended samples included: hollow, larger marker
+                ax.scatter(*zip(*bad), s=120, facecolors="white", edgecolors=color, marker=marker, zorder=3)
+        ax.set_yscale("log")
+        ax.set_xticks(w)
+        ax.set_xlabel(f"window (frames), chunk {sc['chunk_frames']}, sink {sc['sink_frames']}")
+        ax.set_ylabel("maintenance per step and layer (ms)")
+        ax.set_title(name)
+        ax.grid(True, which="both", alpha=0.3)
+    flat[0].legend(fontsize=8)
+    dev = doc["versions"]["device_name"]
+    fig.suptitle(f"cache maintenance per step and layer vs window (median, p10-p90 band; hollow: contended "
+                 f"samples included) on {dev}", fontsize=10)
+    return save(fig, path, dpi=120)

@@ -1,0 +1,334 @@
+"""The benchmark run: options, sections, one record per preset, targets.
+
+A run measures each preset through a list of *sections*. A section is a function
+``(preset, options, device) -> dict`` whose keys are merged into the preset's record;
+:data:`SECTIONS` holds them in run order:
+
+``maintenance``
+    the per-step cache maintenance of every cache and the floor, bytes moved,
+    transient memory (:mod:`~streamkv.lab.bench.maintenance`); top-level keys
+    ``maintenance_ms``, ``floor_ms``, ``ratio_*``, ``bytes_moved``, ``transient_bytes``...
+``scaling``
+    maintenance time vs window size at the preset's chunk and sink: key ``scaling``.
+``write_kernels`` (opt-in)
+    the ring's write kernel and slot plan apart (:mod:`~streamkv.lab.bench.kernels`).
+
+Another section (e.g. ``end_to_end`` from the rollout) is added with
+:func:`register_section`; it runs after these and lands under its own key. The record
+of a preset (:func:`run_preset`) also holds ``preset`` (its config), ``versions``,
+``options``, ``notes`` and ``targets`` (evaluated last, from whatever sections ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from streamkv.lab.bench.maintenance import SUBJECTS, measure_maintenance
+from streamkv.lab.bench.measure import check_device, environment, threads
+from streamkv.lab.bench.presets import Preset, get_preset
+
+__all__ = [
+    "BenchOptions",
+    "SECTIONS",
+    "OPTIONAL_SECTIONS",
+    "SCHEMA",
+    "TARGETS",
+    "register_section",
+    "run_bench",
+    "run_preset",
+    "evaluate_targets",
+]
+
+SCHEMA = "streamkv.lab.bench/1"
+
+Section = Callable[[Preset, "BenchOptions", torch.device], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """How to measure (recorded with every result).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+        repeats: timed steps per subject after warm-up; None: the preset's default.
+        scaling_repeats: the same for each window of the scaling sweep; None: a third
+            of ``repeats`` (at least 5).
+        warmup, warmup_s: warm-up rounds, and the least warm-up time in seconds.
+        threads: ``torch.set_num_threads`` for the run; None: leave torch's default.
+        transient_steps: steady steps probed for transient memory (0: skip).
+        count_bytes: also count bytes written per aten op (one extra step).
+        sections: sections to run, by name (default: maintenance and scaling).
+        seed: of the chunk K/V.
+    """
+
+    device: str = "cpu"
+    repeats: int | None = None
+    scaling_repeats: int | None = None
+    warmup: int = 3
+    warmup_s: float = 0.25
+    threads: int | None = None
+    transient_steps: int = 3
+    count_bytes: bool = True
+    sections: tuple[str, ...] = ("maintenance", "scaling")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("repeats", "scaling_repeats", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.warmup < 0 or self.warmup_s < 0 or self.transient_steps < 0:
+            raise ValueError(
+                f"warmup, warmup_s and transient_steps must be >= 0, got {self.warmup}, {self.warmup_s}, {self.transient_steps}"
+            )
+
+    def repeats_for(self, preset: Preset) -> int:
+        return self.repeats if self.repeats is not None else preset.repeats
+
+    def scaling_repeats_for(self, preset: Preset) -> int:
+        if self.scaling_repeats is not None:
+            return self.scaling_repeats
+        return max(5, self.repeats_for(preset) // 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["sections"] = list(self.sections)
+        return d
+
+
+# ================================================================ sections
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+#: above this share of the machine used by other processes during a timing, say so
+FOREIGN_LOAD_NOTE = 0.10
+
+
+def _disturbance_notes(what: str, timing: Any) -> list[str]:
+    notes = []
+    if timing.foreign_load is not None and timing.foreign_load > FOREIGN_LOAD_NOTE:
+        notes.append(f"{what}: other processes used {timing.foreign_load:.0%} of the CPUs while it was timed")
+    left_out = {n: c for n, c in timing.contended.items() if c and not timing.included[n]}
+    if left_out:
+        notes.append(f"{what}: contended samples left out (preempted or stalled): "
+                     + ", ".join(f"{n} {c}" for n, c in left_out.items()))
+    kept = [n for n, inc in timing.included.items() if inc]
+    if kept:
+        notes.append(f"{what}: too few clean samples for {', '.join(kept)} "
+                     f"({', '.join(str(timing.clean[n]) for n in kept)}): contended samples INCLUDED, treat as noisy")
+    return notes
+
+
+def maintenance_section(preset: Preset, options: BenchOptions, device: torch.device) -> dict[str, Any]:
+    """Keys: maintenance_ms, maintenance_stats_ms, floor_ms, ratio_current_over_ring,
+    ratio_flashdreams_over_ring, ratio_ring_over_floor, bytes_moved, achieved_gb_per_s,
+    transient_bytes, notes."""
+    r = measure_maintenance(
+        preset, device, repeats=options.repeats_for(preset), warmup=options.warmup, warmup_s=options.warmup_s,
+        transient_steps=options.transient_steps, count_bytes=options.count_bytes, seed=options.seed,
+    )
+    med = {k: r.median(k) for k in SUBJECTS}
+    bytes_moved: dict[str, Any] = {k: None for k in SUBJECTS}  # None: the subject did not run
+    for k, b in r.analytic.items():
+        bytes_moved[k] = b.to_dict()
+        if k in r.counted:
+            bytes_moved[k]["counted"] = r.counted[k].to_dict()
+    transient: dict[str, Any] = {k: None for k in SUBJECTS}
+    transient.update({k: t.to_dict() for k, t in r.transient.items()})
+    return {
+        "maintenance_ms": {k: med[k] for k in SUBJECTS if k != "floor"},
+        "maintenance_stats_ms": {k: s.to_dict() for k, s in r.stats.items()},
+        "floor_ms": med["floor"],
+        "ratio_current_over_ring": _ratio(med["current"], med["ring"]),
+        "ratio_flashdreams_over_ring": _ratio(med["flashdreams"], med["ring"]),
+        "ratio_ring_over_floor": _ratio(med["ring"], med["floor"]),
+        "bytes_moved": bytes_moved,
+        "achieved_gb_per_s": {
+            k: (r.analytic[k].traffic / (med[k] * 1e-3) / 1e9 if med[k] else None) for k in SUBJECTS
+        },
+        "transient_bytes": transient,
+        "page_faults": {k: r.page_faults.get(k) for k in SUBJECTS},
+        "timing_repeats": options.repeats_for(preset),
+        "timing": r.timing.to_dict(),
+        "notes": r.notes + _disturbance_notes("maintenance", r.timing),
+    }
+
+
+def scaling_section(preset: Preset, options: BenchOptions, device: torch.device) -> dict[str, Any]:
+    """Key ``scaling``: per subject, the median (and p10/p90) maintenance time at each
+    window of ``preset.scaling_windows``, the chunk and sink fixed."""
+    windows = list(preset.scaling_windows)
+    if not windows:
+        return {"scaling": None}
+    repeats = options.scaling_repeats_for(preset)
+    med: dict[str, list[float | None]] = {k: [] for k in SUBJECTS}
+    p10: dict[str, list[float | None]] = {k: [] for k in SUBJECTS}
+    p90: dict[str, list[float | None]] = {k: [] for k in SUBJECTS}
+    written: dict[str, list[int | None]] = {k: [] for k in SUBJECTS}
+    faults: dict[str, list[int | None]] = {k: [] for k in SUBJECTS}
+    contended: dict[str, list[bool | None]] = {k: [] for k in SUBJECTS}
+    notes: list[str] = []
+    timing: list[dict[str, Any]] = []
+    for w in windows:
+        p = preset.with_window(w)
+        r = measure_maintenance(
+            p, device, repeats=repeats, warmup=options.warmup, warmup_s=options.warmup_s, transient_steps=0,
+            count_bytes=False, seed=options.seed,
+        )
+        notes.extend(n for n in r.notes + _disturbance_notes(f"scaling window {w}", r.timing) if n not in notes)
+        timing.append(r.timing.to_dict())
+        for k in SUBJECTS:
+            s = r.stats.get(k)
+            med[k].append(None if s is None else s.median)
+            p10[k].append(None if s is None else s.p10)
+            p90[k].append(None if s is None else s.p90)
+            written[k].append(r.analytic[k].written_total if k in r.analytic else None)
+            faults[k].append(r.page_faults.get(k))
+            contended[k].append(r.timing.included.get(k) if s is not None else None)
+    out: dict[str, Any] = {
+        "windows_frames": windows,
+        "chunk_frames": preset.chunk_frames,
+        "sink_frames": preset.sink_frames,
+        "repeats": repeats,
+        "maintenance_ms": med,
+        "p10_ms": p10,
+        "p90_ms": p90,
+        "written_bytes": written,
+        "page_faults": faults,
+        "contended_included": contended,
+        "timing": timing,
+    }
+    if 21 in windows and 63 in windows:
+        i, j = windows.index(21), windows.index(63)
+        out["growth_63_over_21"] = {k: _ratio(med[k][j], med[k][i]) for k in SUBJECTS}
+    return {"scaling": out, "notes": notes}
+
+
+def write_kernels_section(preset: Preset, options: BenchOptions, device: torch.device) -> dict[str, Any]:
+    """Key ``write_kernels``: the ring's write kernel variants and slot plan, apart."""
+    from streamkv.lab.bench.kernels import measure_write_kernels
+
+    return {
+        "write_kernels": measure_write_kernels(
+            preset, device, repeats=options.repeats_for(preset), warmup=options.warmup,
+            warmup_s=options.warmup_s, seed=options.seed,
+        )
+    }
+
+
+SECTIONS: dict[str, Section] = {
+    "maintenance": maintenance_section,
+    "scaling": scaling_section,
+    "write_kernels": write_kernels_section,
+}
+#: sections that run only when asked for
+OPTIONAL_SECTIONS = ("write_kernels",)
+
+
+def register_section(name: str, fn: Section) -> None:
+    """Add a section (e.g. ``end_to_end``); its dict is merged into each preset's record.
+
+    Raises ``ValueError`` if ``name`` is taken. Ask for it in ``BenchOptions.sections``.
+    """
+    if name in SECTIONS:
+        raise ValueError(f"section {name!r} already exists")
+    SECTIONS[name] = fn
+
+
+# ================================================================= targets
+#: the issue's targets: (key, description, threshold); checked on every preset, the
+#: issue sets them at ``self-forcing`` on the CPU
+TARGETS: tuple[tuple[str, str, float], ...] = (
+    ("flashdreams_over_ring", "ring maintenance >= 5x less than flashdreams BlockKVCache", 5.0),
+    ("ring_over_floor", "ring within 1.3x of the floor", 1.3),
+    ("ring_growth_63_over_21", "ring flat (within 1.2x) from a 21- to a 63-frame window", 1.2),
+    ("ring_transient_bytes", "zero transient bytes per steady ring step", 0.0),
+)
+
+
+def evaluate_targets(record: dict[str, Any]) -> dict[str, Any]:
+    """Each target's value, threshold and verdict (``met`` None: not measured in this
+    run); ``contended`` is True when a timing behind the value had too few clean
+    samples (the verdict is then about a loaded machine, not the caches)."""
+    scaling = record.get("scaling") or {}
+    transient = (record.get("transient_bytes") or {}).get("ring")
+    included = (record.get("timing") or {}).get("contended_included") or {}
+    values = {
+        "flashdreams_over_ring": record.get("ratio_flashdreams_over_ring"),
+        "ring_over_floor": record.get("ratio_ring_over_floor"),
+        "ring_growth_63_over_21": (scaling.get("growth_63_over_21") or {}).get("ring"),
+        "ring_transient_bytes": None if transient is None else transient["allocated_bytes"],
+    }
+    flagged = (scaling.get("contended_included") or {}).get("ring") or []
+    windows = scaling.get("windows_frames") or []
+    contended = {
+        "flashdreams_over_ring": bool(included.get("flashdreams") or included.get("ring")),
+        "ring_over_floor": bool(included.get("ring") or included.get("floor")),
+        "ring_growth_63_over_21": any(flagged[windows.index(w)] for w in (21, 63) if w in windows and flagged),
+        "ring_transient_bytes": False,
+    }
+    out = {}
+    for key, text, threshold in TARGETS:
+        v = values[key]
+        if v is None:
+            met = None
+        elif key == "flashdreams_over_ring":
+            met = v >= threshold
+        else:
+            met = v <= threshold
+        out[key] = {"target": text, "value": v, "threshold": threshold, "met": met,
+                    "contended": contended[key] if v is not None else None}
+    return out
+
+
+# ===================================================================== run
+def run_preset(preset: Preset | str, options: BenchOptions, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every requested section at ``preset``: the preset's JSON record."""
+    if isinstance(preset, str):
+        preset = get_preset(preset)
+    unknown = [s for s in options.sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section(s) {unknown}; available: {', '.join(SECTIONS)}")
+    device = check_device(options.device)
+    with threads(options.threads):
+        record: dict[str, Any] = {
+            "preset": preset.to_dict(),
+            "versions": environment(device),
+            "options": options.to_dict(),
+        }
+        notes: list[str] = []
+        for name in options.sections:
+            if progress is not None:
+                progress(f"{preset.name}: {name}")
+            part = SECTIONS[name](preset, options, device)
+            notes.extend(n for n in part.pop("notes", []) if n not in notes)
+            record.update(part)
+        record["notes"] = notes
+        record["targets"] = evaluate_targets(record)
+    return record
+
+
+def run_bench(
+    presets: Sequence[Preset | str], options: BenchOptions, *, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Run every preset; the JSON document: ``{"schema", "versions", "options", "presets": {name: record}}``."""
+    device = check_device(options.device)
+    resolved = [get_preset(p) if isinstance(p, str) else p for p in presets]
+    if not resolved:
+        raise ValueError("no preset to run")
+    with threads(options.threads):
+        env = environment(device)
+    return {
+        "schema": SCHEMA,
+        "versions": env,
+        "options": options.to_dict(),
+        "presets": {p.name: run_preset(p, options, progress=progress) for p in resolved},
+    }

@@ -1,0 +1,90 @@
+"""``streamkv bench``: cache maintenance, bytes moved, transient memory and scaling, plus
+the end-to-end chunk latency of the tiny-DiT rollout per cache (same weights and noise)
+and the share of it spent in cache maintenance (JSON key ``end_to_end``)."""
+
+from __future__ import annotations
+
+import argparse
+
+_PRESETS = ("self-forcing", "self-forcing-sink", "lingbot", "small")  # kept here so --help needs no torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", action="append", choices=_PRESETS, metavar="NAME",
+                   help=f"preset to run, repeatable (default: all of {', '.join(_PRESETS)})")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write the plot of maintenance time vs window size (PNG)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--repeats", type=int, metavar="N", help="timed steps per cache after warm-up (default: per preset)")
+    p.add_argument("--scaling-repeats", type=int, metavar="N", help="the same per window of the scaling sweep (default: a third)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch.set_num_threads for the run (default: torch's)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the window-size sweep")
+    p.add_argument("--write-kernels", action="store_true",
+                   help="also time the ring's write kernel variants and slot plan apart")
+    p.add_argument("--no-end-to-end", action="store_true",
+                   help="skip the end-to-end tiny-DiT rollout per cache (latency, maintenance share)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from streamkv.lab.bench import BenchOptions, plot_scaling, print_report, run_bench
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+
+    console = make_console()
+    sections = ["maintenance"]
+    if not args.no_scaling:
+        sections.append("scaling")
+    if args.write_kernels:
+        sections.append("write_kernels")
+    options = BenchOptions(
+        device=args.device, repeats=args.repeats, scaling_repeats=args.scaling_repeats, threads=args.threads,
+        sections=tuple(sections),
+    )
+    presets = args.preset or list(_PRESETS)
+    with console.status("benchmark") as status:
+        doc = run_bench(presets, options, progress=lambda msg: status.update(f"benchmark: {msg}"))
+    doc["argv"] = ["streamkv", "bench", *_argv(args)]
+    print_report(doc, console)
+    if not args.no_end_to_end:
+        doc["end_to_end"] = _end_to_end(args, console)
+    if args.json:
+        write_json(args.json, doc)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        path = plot_scaling(doc, args.plot)
+        console.print(f"wrote {path}" if path else "no scaling data: no plot written")
+    return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    for p in args.preset or []:
+        out += ["--preset", p]
+    for flag in ("json", "plot", "device", "repeats", "scaling_repeats", "threads"):
+        v = getattr(args, flag)
+        if v is not None and not (flag == "device" and v == "cpu"):
+            out += [f"--{flag.replace('_', '-')}", str(v)]
+    out += ["--no-scaling"] if args.no_scaling else []
+    out += ["--write-kernels"] if args.write_kernels else []
+    out += ["--no-end-to-end"] if args.no_end_to_end else []
+    return out
+
+
+def _end_to_end(args: argparse.Namespace, console) -> dict:
+    """The tiny-DiT rollout through the current path and the ring: per-chunk latency and
+    the share spent in cache maintenance (eager, instrumented)."""
+    from streamkv.lab.bench.measure import threads
+    from streamkv.lab.experiments.rollout_compare import compare_rollouts
+    from streamkv.lab.commands._rollout_report import print_tables
+
+    n = args.threads or 1  # the tiny model's ops are small: one thread is fastest
+    with console.status("end to end: tiny DiT rollout per cache"), threads(n):
+        result = compare_rollouts(("chronological", "ring"), config="tiny", device=args.device, guidance=3.0)
+    console.print(f"[bold]end to end[/] (the tiny DiT, {n} thread(s); cache maintenance is a small share at this size)")
+    print_tables(console, result)
+    out = result.to_json()
+    forwards = (len(out["config"]["timesteps"]) + 1) * 2
+    for kind in ("chronological", "ring"):
+        rec = out[kind]
+        rec["maintenance_share"] = rec["maintenance_ms"] * forwards / rec["chunk_latency_ms"]
+    return out

@@ -1,0 +1,126 @@
+"""``streamkv rollout``: a streaming rollout of the causal DiT on one cache, or all compared.
+
+``--nproc N`` runs the same rollouts on one process and on ``N`` context-parallel ranks
+(Ulysses, started here) and reports their parity and the cache bytes per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CACHES = ("chronological", "ring")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="ring", help="cache kind when not comparing (default ring)")
+    p.add_argument("--compare", action="store_true", help="run every cache kind on the same weights and noise")
+    p.add_argument("--chunks", type=int, default=8, help="chunks in the first stream (default 8)")
+    p.add_argument("--config", default="tiny", help="model config: tiny (default) or wan2.1-1.3b")
+    p.add_argument("--guidance", type=float, default=3.0, help="CFG scale; 1.0 disables the uncond branch (default 3.0)")
+    p.add_argument("--mode", choices=["eager", "compile", "graph"], default="eager", help="execution mode")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="weights and noise seed")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot of latency and maintenance per chunk")
+    p.add_argument("--tau", type=float, default=0.05, help="dropped-mass budget of the 'mass' cache (default 0.05)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; 1 is fastest for the tiny model)")
+    p.add_argument(
+        "--nproc", type=int, default=1,
+        help="context-parallel ranks (Ulysses, gloo on CPU / NCCL on CUDA) started here; > 1 compares them "
+        "against a single-process run (default 1)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from streamkv.lab.experiments.rollout_compare import compare_rollouts
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._rollout_report import plot_runs, print_tables, progress_bar
+
+    console = make_console()
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    kinds = available_caches() if args.compare else (args.cache,)
+    if args.nproc != 1:
+        return _run_context_parallel(args, kinds, console)
+    streams = args.chunks + max(1, args.chunks // 2)
+    with progress_bar(console) as progress:
+        tasks = {k: progress.add_task(f"{k:>14} chunks", total=streams) for k in kinds}
+        result = compare_rollouts(
+            kinds, config=args.config, chunks=args.chunks, guidance=args.guidance, mode=args.mode,
+            device=args.device, seed=args.seed, progress=lambda k: progress.advance(tasks[k]),
+            cache_kwargs=_cache_kwargs(args),
+        )
+    print_tables(console, result)
+    payload = {**result.to_json(), "versions": versions()}
+    write_json(args.json, payload)
+    if args.json:
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot_runs(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cache_kwargs(args: argparse.Namespace) -> dict[str, dict]:
+    """Extra constructor arguments per cache kind."""
+    return {"mass": {"tau": args.tau}}
+
+
+def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], console) -> int:
+    """``--nproc N``: the rollouts on one process and on ``N`` ranks; parity and cache bytes."""
+    from rich.table import Table
+
+    from streamkv.lab.experiments.cp_compare import compare_context_parallel
+    from streamkv.lab.commands._common import versions, write_json
+
+    if args.plot:
+        raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
+    with console.status("") as status:
+        result = compare_context_parallel(
+            kinds, nproc=args.nproc, config=args.config, chunks=args.chunks, guidance=args.guidance,
+            mode=args.mode, device=args.device, seed=args.seed, cache_kwargs=_cache_kwargs(args),
+            progress=lambda what: status.update(f"running {what}"),
+        )
+    n, cfg = result.world_size, result.config
+    console.print(
+        f"[bold]{cfg['name']}[/]: {cfg['heads']} heads over {n} ranks ({cfg['heads'] // n} per rank), "
+        f"{cfg['device']}, mode {cfg['mode']}, guidance {cfg['guidance']}; streams of {cfg['streams']} chunks "
+        f"(reset between); first eviction at chunk {cfg['first_eviction_chunk']}, ring wraps "
+        f"{cfg['ring_wraps_first_stream']}x"
+    )
+    table = Table(title=f"Ulysses context parallelism: {n} ranks vs 1 process")
+    for col in ("cache", "max |diff|", "scale", "|diff|/scale", "ranks agree", "cache B/rank", "cache B 1 proc"):
+        table.add_column(col, justify="left" if col == "cache" else "right")
+    for k in kinds:
+        table.add_row(
+            k, f"{result.max_abs_diff[k]:.2e}", f"{result.output_scale[k]:.3f}",
+            f"{result.max_abs_diff[k] / result.output_scale[k]:.2e}", "yes" if result.ranks_agree[k] else "NO",
+            f"{result.cache_bytes_per_rank[k]:,}", f"{result.cache_bytes_single[k]:,}",
+        )
+    console.print(table)
+    for k in kinds:
+        per, single = result.cache_bytes_per_rank[k], result.cache_bytes_single[k]
+        console.print(
+            f"{k}: each of the {n} ranks holds {per:,} cache bytes = {per / single:.4g} (1/{single / per:.4g}) of the "
+            f"single-process {single:,}"
+        )
+    console.print("parity bound: |diff| / scale <= 1e-5 (fp32)")
+    payload = {**result.to_json(), "versions": versions()}
+    write_json(args.json, payload)
+    if args.json:
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def available_caches() -> tuple[str, ...]:
+    """Every registered cache kind, the current path first."""
+    from streamkv.caches import CACHE_KINDS
+
+    rest = [k for k in CACHE_KINDS if k not in CACHES]
+    return (*CACHES, *rest)

@@ -1,0 +1,114 @@
+"""What every slot policy answers: which slots a chunk takes, and which tokens leave.
+
+A policy owns no K/V. It is bound to one :class:`~streamkv.storage.KVStorage` and writes
+only its slot metadata (``positions``, ``plan``, ``write_start``) and its own state. Every
+change comes in two phases, so that a cache (or a group of caches) can announce an
+eviction to its observers, or refuse, before anything changes::
+
+    step = policy.begin(chunk_idx, advance)   # plan only: nothing visible changes
+    step.evicted()                            # bool [L, H, S]: what will leave (lazy)
+    step.apply()                              # the change; cannot fail
+
+and likewise ``policy.commit(chunk_idx)`` (``None`` when the policy does nothing at commit).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..layout import CacheLayout
+from ..storage import KVStorage
+
+__all__ = ["Step", "SlotPolicy"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A planned change of a cache's slots. ``evicted`` is None when nothing leaves; else it
+    returns the device ``bool [L, H, S]`` mask of the slots whose tokens leave.
+    ``evicted_slots``: those slots as host ints, when every layer and head loses the same
+    ones and the policy knows them without reading the device (window policies)."""
+
+    apply: Callable[[], None]
+    evicted: Callable[[], Tensor] | None = None
+    evicted_slots: tuple[int, ...] | None = None
+
+
+class SlotPolicy(abc.ABC):
+    """Base of the slot policies. Subclasses are small: see :mod:`streamkv.policies`.
+
+    Capabilities (class attributes) say what a cache built on the policy can promise:
+    """
+
+    #: name in :data:`streamkv.policies.POLICIES` (``"ring"``, ``"mass"``, ...)
+    name: ClassVar[str]
+    #: heads (and layers) may hold different positions: a per-head plan
+    per_head: ClassVar[bool] = False
+    #: retains exactly ``[sinks | last window]``, the current path's tokens: attention over
+    #: it equals the current path to rounding
+    retains_window: ClassVar[bool] = True
+    #: the policy needs the queries of each chunk (``needs_queries``): they come from
+    #: :func:`~streamkv.attention.attend` or from ``update(k, v, q)``
+    needs_queries: ClassVar[bool] = False
+
+    storage: KVStorage
+    layout: CacheLayout
+
+    def params(self) -> dict[str, Any]:
+        """The constructor arguments (recorded in configs and state dicts)."""
+        return {}
+
+    def check_layout(self, layout: CacheLayout) -> None:
+        """Raise ``ValueError`` if the policy cannot run on these sizes (before allocation)."""
+
+    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
+        """Attach to the storage; allocate device state (once)."""
+        self.storage, self.layout = storage, layout
+
+    @property
+    def graph_safe_writes(self) -> bool:
+        """Writes read their destination only from device tensors."""
+        return True
+
+    @abc.abstractmethod
+    def begin(self, chunk_idx: int, advance: bool) -> Step:
+        """Plan the slots of chunk ``chunk_idx`` (``advance``: it is new; else it is reopened)."""
+
+    def commit(self, chunk_idx: int) -> Step | None:
+        """Plan what the chunk's commit changes (None: nothing). May refuse (raise)."""
+        return None
+
+    def reset(self) -> None:
+        """Forget the stream (the storage is cleared by the cache)."""
+
+    def after_load(self, next_chunk: int, open_chunk: int | None) -> None:
+        """Rebuild derived device state after a state dict was loaded."""
+
+    # ----------------------------------------------------------- state dicts
+    def state(self) -> dict[str, Tensor]:
+        """Device state besides the storage's (saved in state dicts)."""
+        return {}
+
+    def check_state(self, state: dict[str, Any], next_chunk: int, open_chunk: int | None) -> None:
+        """Raise ``ValueError`` unless ``state`` (a whole cache state dict) is consistent with
+        the layout and the lifecycle counters. Changes nothing."""
+
+    def expected_positions(self, end: int) -> Tensor | None:
+        """The positions every slot must hold once ``end`` positions are in the stream, when
+        the policy determines them (window policies), else None."""
+        return None
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+
+def empty_eviction(storage: KVStorage) -> Tensor:
+    """A ``bool [L, H, S]`` mask with nothing evicted."""
+    return torch.zeros((storage.num_layers, storage.heads, storage.slots), dtype=torch.bool, device=storage.device)

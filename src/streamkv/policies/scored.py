@@ -1,0 +1,315 @@
+"""The base of the scored policies: per-head slots, scores from the chunk's queries, and one
+place for selection and overflow accounting.
+
+Each (layer, head) holds its own set of positions (a per-head plan); sinks are pinned at
+slots ``[0, sink)`` of every head. Per chunk ``c``::
+
+    begin(c)     device: each (layer, head) takes its lowest free window slots for the chunk's
+                 rows (sink rows go to their pinned slots); nothing moves, nothing is evicted
+    write        index_put_ of (slot, head) pairs (graph-capturable)
+    attention    the per-key statistics of the chunk's queries (``max_j = max_i p_ij``,
+                 ``sum_j = sum_i p_ij``, over every query of the chunk and the batch, ``p`` the
+                 softmax over the head's slots) come out of the model's own attention pass
+                 (:func:`~streamkv.attention.attend`); the last pass before the commit (the
+                 clean pass) is the one that counts. When attention ran elsewhere, the queries
+                 given to ``update(k, v, q)`` are scored at the commit instead (one more pass).
+    commit(c)    select and evict, per (layer, head); no retained token moves
+
+Selection (here, once for every subclass): the candidates are the occupied slots that are
+not sinks and (with ``protect_newest``) not the chunk just committed. A subclass orders them
+(:meth:`ScoredPolicy.priority`, lowest evicted first; ties by the older position first) and
+says how many it wants gone (:meth:`ScoredPolicy.wanted`). If that leaves fewer than
+``chunk`` free window slots for the next chunk, more go, in the same order: an *overflow*,
+counted per (layer, head), where a subclass's guarantee does not hold for that eviction.
+
+The commit refuses (``RuntimeError``, naming the layers and the chunk) when a layer's
+queries never arrived, and (``ValueError``) when the statistics are not finite; either way
+nothing changed. It synchronises with the device once.
+
+Scope of ``dropped_mass_bound`` (per (layer, head), the last commit): ``sum_{j evicted}
+max_j``, which bounds the mass any one query of the scoring chunk put on the evicted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..layout import CacheLayout
+from ..scoring import blockwise_attention, check_block, fold_groups
+from ..storage import KVStorage
+from .base import SlotPolicy, Step
+
+__all__ = ["ScoredPolicy", "FixedBudget"]
+
+_BIG = torch.iinfo(torch.long).max
+
+
+class ScoredPolicy(SlotPolicy):
+    """Per-head slots chosen from the chunk's attention. Subclasses define :meth:`priority`
+    and :meth:`wanted` (and, if they keep state, :meth:`on_commit` / :meth:`on_new`).
+
+    Args:
+        protect_newest: never evict the chunk just committed.
+        score_block: query rows per block when stored queries are scored at the commit.
+    """
+
+    per_head = True
+    retains_window = False
+    needs_queries = True
+
+    def __init__(self, *, protect_newest: bool = True, score_block: int = 256) -> None:
+        if not isinstance(protect_newest, bool):
+            raise TypeError(f"protect_newest must be a bool, got {type(protect_newest).__name__} {protect_newest!r}")
+        self.protect_newest = protect_newest
+        self.score_block = check_block(score_block)
+
+    def params(self) -> dict[str, Any]:
+        return {"protect_newest": self.protect_newest}
+
+    def check_layout(self, layout: CacheLayout) -> None:
+        need = layout.chunk * (2 if self.protect_newest else 1)
+        if layout.window < need:
+            raise ValueError(
+                f"window ({layout.window}) must hold {'the newest chunk and ' if self.protect_newest else ''}the next "
+                f"chunk: >= {need} slots besides the {layout.sink} sink(s), got {layout.window}"
+            )
+
+    # ------------------------------------------------------------- subclass hooks
+    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
+        """``[L, H, cap]`` eviction order: lower leaves first (only candidates are read)."""
+        raise NotImplementedError
+
+    def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
+        """``[L, H]``: how many of the candidates (in order) to evict. ``sorted_priority`` has
+        ``inf`` after the candidates; ``candidates``/``protected`` are counts ``[L, H]``."""
+        raise NotImplementedError
+
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
+        """After the eviction is applied (state updates)."""
+
+    def on_new(self, slots: Tensor) -> None:
+        """Slots ``[L, H, C]`` that a (re)opened chunk takes."""
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
+        super().bind(storage, layout)
+        L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
+        self._arange_c = torch.arange(C, device=dev)
+        self._window_idx = torch.arange(layout.sink, cap, device=dev)
+        self._stage = torch.zeros((L, H, C), dtype=torch.long, device=dev)
+        self._key_max = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
+        self._key_sum = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
+        # per layer: 1 once attention delivered the statistics since the layer's last write;
+        # 1 once update(k, v, q) stored queries since then (device flags: graph-safe)
+        self._fresh = torch.zeros(L, dtype=torch.int8, device=dev)
+        self._has_queries = torch.zeros(L, dtype=torch.int8, device=dev)
+        self._queries: Tensor | None = None  # [L, *q chunk shape], allocated by the first update(q)
+        self.overflows = torch.zeros((L, H), dtype=torch.long, device=dev)
+        self.evictions = torch.zeros((L, H), dtype=torch.long, device=dev)
+        self.dropped_mass_bound = torch.zeros((L, H), dtype=torch.float64, device=dev)
+
+    # --------------------------------------------------------- queries, scores
+    def on_write(self, layer: int) -> None:
+        """A write replaced the chunk's K/V: earlier statistics and queries no longer apply."""
+        self._fresh[layer].zero_()
+        self._has_queries[layer].zero_()
+
+    def take_queries(self, layer: int, q: Tensor) -> None:
+        """Keep the queries for a commit-time scoring pass (used only if attention does not
+        deliver the statistics)."""
+        if self._queries is None or self._queries.shape[1:] != q.shape or self._queries.dtype != q.dtype:
+            self._queries = torch.zeros((self.storage.num_layers, *q.shape), dtype=q.dtype, device=q.device)
+        self._queries[layer].copy_(q)
+        self._has_queries[layer].fill_(1)
+
+    def receive(self, layer: int, key_max: Tensor, key_sum: Tensor) -> None:
+        """Statistics ``[H, S]`` of the attention that just read ``layer`` (from ``attend``)."""
+        cap = self.storage.capacity
+        self._key_max[layer].copy_(key_max[:, :cap])
+        self._key_sum[layer].copy_(key_sum[:, :cap])
+        self._fresh[layer].fill_(1)
+
+    def _score_stored(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Statistics of the stored queries against ``layer``'s slots now (a second pass)."""
+        st = self.storage
+        q = self._queries[layer].movedim(st.seq_dim, -2)
+        k = st.keys[layer].movedim(st.seq_dim, -2)
+        res = blockwise_attention(
+            fold_groups(q, k.shape, st.head_axis), k, None, st.bias(st.layer_positions(layer), q.dtype),
+            scale=1.0 / math.sqrt(q.shape[-1]), block=self.score_block, statistics=True, head_axis=st.head_axis,
+        )
+        cap = st.capacity
+        return res.key_max[:, :cap], res.key_sum[:, :cap]
+
+    # -------------------------------------------------------------------- begin
+    def begin(self, chunk_idx: int, advance: bool) -> Step:
+        st, S = self.storage, self.layout.sink
+        start = self.layout.chunk_start(chunk_idx)
+        n_sink = max(0, min(S - start, self.layout.chunk))
+        n_win = self.layout.chunk - n_sink
+        pos = self._arange_c + start  # [C]
+        if advance:
+            if n_sink:
+                self._stage[..., :n_sink] = pos[:n_sink]
+            if n_win:
+                win = st.positions[..., S : st.capacity]  # [L, H, W]
+                w = win.shape[-1]
+                key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
+                self._stage[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
+            slots = self._stage
+        else:
+            slots = st.plan  # reopen: the same slots (re-marked in case the chunk was evicted)
+
+        def apply() -> None:
+            if advance:
+                st.plan.copy_(self._stage)
+            st.positions.scatter_(-1, st.plan, pos.expand_as(st.plan))
+            self.on_new(st.plan)
+
+        del slots
+        return Step(apply)
+
+    # ------------------------------------------------------------------- commit
+    def commit(self, chunk_idx: int) -> Step:
+        st, L = self.storage, self.storage.num_layers
+        fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
+        missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
+        if missing:
+            raise RuntimeError(
+                f"the {self.name} policy needs the queries of chunk {chunk_idx}, and layer(s) {missing} have none "
+                f"since their last write: attend through streamkv.attention.attend, or pass them to "
+                f"update(k, v, q); nothing was committed"
+            )
+        key_max, key_sum = self._key_max, self._key_sum
+        stale = [layer for layer in range(L) if not fresh[layer]]
+        if stale:  # score the stored queries (local tensors: a refused commit changes nothing)
+            key_max, key_sum = key_max.clone(), key_sum.clone()
+            for layer in stale:
+                key_max[layer], key_sum[layer] = self._score_stored(layer)
+        pos = st.positions[..., : st.capacity]
+        valid = pos >= 0
+        prio = self.priority(key_max, key_sum, valid)
+        finite = torch.isfinite(torch.where(valid, prio, 0.0)).all(dim=(-1, -2))
+        if not bool(finite.all()):
+            bad = (~finite).nonzero().flatten().tolist()
+            raise ValueError(
+                f"attention statistics of chunk {chunk_idx} are not finite in layer(s) {bad}: NaN or inf in the cached "
+                f"keys or the queries; the chunk stays open and nothing was evicted"
+            )
+        evict, overflow, n_evict, dropped = self._select(chunk_idx, pos, valid, prio, key_max)
+
+        def apply() -> None:
+            st.positions[..., : st.capacity].masked_fill_(evict, -1)
+            self.overflows += overflow
+            self.evictions += n_evict
+            self.dropped_mass_bound.copy_(dropped)
+            self.on_commit(evict, prio, valid)
+
+        def evicted() -> Tensor:
+            return torch.nn.functional.pad(evict, (0, st.recall_slots))
+
+        return Step(apply, evicted)
+
+    def _select(self, chunk_idx: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor):
+        L = self.layout
+        protected = valid & (pos < L.sink)
+        if self.protect_newest:
+            protected |= valid & (pos >= L.chunk_start(chunk_idx))
+        cand = valid & ~protected
+        cap = pos.shape[-1]
+        # candidates by (priority, position) ascending; the others last
+        by_pos = torch.where(cand, pos, _BIG).argsort(dim=-1, stable=True)
+        sorted_prio, order = torch.where(cand, prio, math.inf).gather(-1, by_pos).sort(dim=-1, stable=True)
+        order = by_pos.gather(-1, order)
+        n_cand = cand.sum(-1)
+        want = self.wanted(sorted_prio, n_cand, protected.sum(-1)).clamp(min=0)
+        want = torch.minimum(want, n_cand)
+        free = (~valid[..., L.sink :]).sum(-1)
+        need = (L.chunk - free - want).clamp(min=0)  # room the next chunk still lacks
+        n_evict = torch.minimum(want + need, n_cand)
+        evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
+        return evict, (need > 0).long(), n_evict, (key_max * evict).sum(-1)
+
+    # ---------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        for t in (self._fresh, self._has_queries, self.overflows, self.evictions):
+            t.zero_()
+        for t in (self._key_max, self._key_sum, self.dropped_mass_bound):
+            t.zero_()
+        if self._queries is not None:
+            self._queries.zero_()
+
+    def state(self) -> dict[str, Tensor]:
+        return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound}
+
+    def check_state(self, state: dict[str, Any], next_chunk: int, open_chunk: int | None) -> None:
+        st, lay = self.storage, self.layout
+        end = next_chunk * lay.chunk
+        pos = state["slot_positions"][..., : st.capacity].to("cpu").expand(st.num_layers, st.heads, -1)
+        plan = state["write_slots"].to("cpu").expand(st.num_layers, st.heads, -1)
+        where = f"state dict of a {self.name} cache at next_chunk={next_chunk}"
+        if bool(((pos < -1) | (pos >= end)).any()):
+            raise ValueError(f"{where}: slot_positions must be -1 or in [0, {end}), got values from "
+                             f"{int(pos.min())} to {int(pos.max())}")
+        srt = pos.sort(dim=-1).values
+        if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()):
+            raise ValueError(f"{where}: a head holds the same position in two slots")
+        sinks = torch.arange(lay.sink)
+        want = torch.where(sinks < end, sinks, -1)
+        if not bool((pos[..., : lay.sink] == want).all()):
+            raise ValueError(f"{where}: the sink slots must hold positions {want.tolist()} (pinned)")
+        rest = pos[..., lay.sink :]
+        if bool(((rest >= 0) & (rest < lay.sink)).any()):
+            raise ValueError(f"{where}: a sink position sits outside the sink slots")
+        if bool(((plan < 0) | (plan >= st.capacity)).any()):
+            raise ValueError(f"{where}: write_slots must be in [0, {st.capacity}), got {int(plan.min())}..{int(plan.max())}")
+        if next_chunk and (open_chunk is not None or self.protect_newest):
+            chunk = torch.arange(lay.chunk) + lay.chunk_start(next_chunk - 1)
+            if not bool((pos.gather(-1, plan) == chunk).all()):
+                raise ValueError(
+                    f"{where}: write_slots must hold the positions of chunk {next_chunk - 1} ({chunk.tolist()})"
+                )
+        if next_chunk and open_chunk is None and bool(((rest < 0).sum(-1) < lay.chunk).any()):
+            raise ValueError(f"{where}: every head needs {lay.chunk} free window slots for the next chunk")
+        for name in ("overflows", "evictions"):
+            if bool((state[name] < 0).any()):
+                raise ValueError(f"{where}: {name} must be >= 0")
+
+
+class FixedBudget(ScoredPolicy):
+    """A scored policy that keeps a fixed number of tokens per head after each commit.
+
+    Args:
+        budget: tokens each (layer, head) keeps after a commit, sinks and the newest chunk
+            included; ``sink + chunk <= budget <= sink + window - chunk`` (so the next chunk
+            always fits: no overflow). Default: the largest.
+    """
+
+    def __init__(self, budget: int | None = None, *, score_block: int = 256) -> None:
+        super().__init__(protect_newest=True, score_block=score_block)
+        if budget is not None:
+            from ..storage import check_int
+
+            budget = check_int("budget", budget)
+        self.budget = budget
+
+    def params(self) -> dict[str, Any]:
+        return {"budget": self.budget}
+
+    def check_layout(self, layout: CacheLayout) -> None:
+        super().check_layout(layout)
+        lo, hi = layout.sink + layout.chunk, layout.sink + layout.window - layout.chunk
+        if self.budget is None:
+            self.budget = hi
+        if not lo <= self.budget <= hi:
+            raise ValueError(
+                f"budget must hold the {layout.sink} sink(s) and the newest chunk ({layout.chunk}) and leave room for "
+                f"the next chunk in sink + window = {layout.capacity} slots: {lo} <= budget <= {hi}, got {self.budget}"
+            )
+
+    def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
+        return candidates - (self.budget - protected).clamp(min=0)

@@ -1,0 +1,28 @@
+"""TOVA: keep the tokens the newest queries attend to most (Oren et al., "Transformers are
+Multi-State RNNs", arXiv 2401.06104).
+
+TOVA drops, at every decoding step, the token with the lowest attention weight from the
+current query. Here, chunk by chunk and per head: after a commit each (layer, head) keeps its
+``budget`` — the sinks, the chunk just committed, and the tokens with the highest attention
+from *this* chunk's queries (``sum_i p_ij`` over the chunk and the batch; ties: newer
+first). With one-token chunks that is TOVA's rule exactly, per head. Unlike H2O nothing
+accumulates: a token that the present stops looking at leaves, whatever it was worth
+before. No dropped-mass guarantee (``dropped_mass_bound`` still reports what left).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .scored import FixedBudget
+
+__all__ = ["TOVA"]
+
+
+class TOVA(FixedBudget):
+    """Attention of the newest chunk; ``budget`` as :class:`~streamkv.policies.scored.FixedBudget`."""
+
+    name = "tova"
+
+    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
+        return key_sum

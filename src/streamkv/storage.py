@@ -1,0 +1,356 @@
+"""Storage: the K/V buffers of every layer, the position each slot holds, and the write plan.
+
+One class holds the device state of every cache kind, with one meaning for every
+attribute (``L`` layers, ``H`` heads, ``S = capacity + recall_slots`` slots, ``C`` chunk rows)::
+
+    keys, values     [L, *k_shape] / [L, *v_shape]   k_shape[seq_dim] = S
+    slot_positions   int64 [L, H, S]   the position held by slot s of head h in layer l (-1: empty)
+    write_slots      int64 [L, H, C]   the slot that row i of the open chunk goes to
+
+A *shared* plan (ring, chronological: every layer and head holds the same positions) keeps
+``[1, 1, S]`` and ``[1, 1, C]`` tensors and exposes them broadcast (``expand``), so its
+per-chunk metadata work is ``C`` entries, not ``L x H x C``. A *per-head* plan (budgeted
+policies) keeps the full tensors. The slots ``[capacity, S)`` are recall slots (a storage
+option): per (layer, head), filled by whoever recalls evicted tokens (:mod:`streamkv.certify`),
+never by the policy.
+
+Writes go through the device plan: one ``index_copy_`` along the token dimension for a
+shared plan (through an int64 view of the same bytes in eager mode, where the rows split
+into whole 8-byte words: on CPU ``index_copy_`` of 2-byte elements ran at 1.7x the time of
+a plain ``copy_``), one ``index_put_`` of (slot, head) pairs for a per-head plan. Either is
+safe under CUDA graph capture: a graph captured for one chunk writes the next chunk's slots
+on replay. The chronological path instead writes a contiguous slice at a host-int offset
+(``write_start``), as the current path does.
+
+Nothing here decides which slots a chunk gets: that is a policy's job
+(:mod:`streamkv.policies`). Nothing here is allocated after construction.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVStorage", "check_int", "normalise_dims"]
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    """``value`` as an exact Python int (numpy and torch integer scalars convert; ``bool``,
+    floats and strings are refused with ``TypeError``), at least ``minimum``."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
+
+
+def _shape(name: str, shape: object) -> tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of ints, got {type(shape).__name__} {shape!r}")
+    out = tuple(check_int(f"{name}[{i}]", s) for i, s in enumerate(shape))
+    if len(out) < 2:
+        raise ValueError(f"{name} must have at least 2 dims (tokens and features), got {out}")
+    if any(s < 1 for s in out):
+        raise ValueError(f"{name} must have positive sizes, got {out}")
+    return out
+
+
+def normalise_dims(k_shape: tuple[int, ...], seq_dim: object, head_dim: object) -> tuple[int, int | None]:
+    """``(seq, head)`` as non-negative indices of ``k_shape``; ``head`` None when the shape has
+    no dimension besides tokens and features. The head dimension defaults to the last one
+    that is neither the token nor the feature dimension."""
+    rank = len(k_shape)
+    seq_dim = check_int("seq_dim", seq_dim)
+    if not -rank <= seq_dim < rank or seq_dim % rank == rank - 1:
+        raise ValueError(
+            f"seq_dim must index a non-feature dim of a rank-{rank} shape (in [{-rank}, {rank - 2}] and not "
+            f"{rank - 1} or -1), got {seq_dim}"
+        )
+    seq = seq_dim % rank
+    others = [d for d in range(rank - 1) if d != seq]
+    if head_dim is None:
+        return seq, (others[-1] if others else None)
+    head_dim = check_int("head_dim", head_dim)
+    if not -rank <= head_dim < rank or head_dim % rank not in others:
+        raise ValueError(
+            f"head_dim must index a dim of k_shape {k_shape} other than the token (seq_dim={seq}) and feature "
+            f"({rank - 1}) dims, i.e. one of {others}, got {head_dim}"
+        )
+    return seq, head_dim % rank
+
+
+def _int64_view(t: Tensor) -> Tensor | None:
+    """``t`` reinterpreted as int64 along its last dim, or None when its elements are already
+    8 bytes wide or the rows do not split into contiguous, 8-byte aligned whole words."""
+    size = t.element_size()
+    if size >= 8 or t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or (t.storage_offset() * size) % 8:
+        return None
+    if any((st * size) % 8 for st in t.stride()[:-1]):
+        return None
+    return t.view(torch.long)
+
+
+class KVStorage:
+    """The device state of one cache (see the module docstring).
+
+    Args:
+        k_shape, v_shape: one layer's buffers; equal except (possibly) the last dim;
+            ``k_shape[seq_dim] == capacity``. ``recall_slots`` more slots are added.
+        seq_dim: the token (slot) dimension; not the last (feature) one.
+        head_dim: the head dimension (default: the last dim that is neither tokens nor
+            features; ``None`` when there is none: one virtual head).
+        capacity: slots a policy manages (``sink + window``).
+        chunk: rows written per chunk.
+        num_layers: layers stored (buffers are ``[num_layers, *shape]``).
+        recall_slots: extra slots per head at the end, for recalled tokens.
+        per_head: heads may hold different positions (a per-head plan).
+        dtype, device: of the K/V buffers.
+        buffers: optional preallocated ``(K, V)`` of the full shapes to use instead of
+            allocating (``CacheSet`` passes views of one allocation).
+    """
+
+    def __init__(
+        self,
+        k_shape: Sequence[int],
+        v_shape: Sequence[int],
+        *,
+        seq_dim: int,
+        head_dim: int | None,
+        capacity: int,
+        chunk: int,
+        num_layers: int,
+        recall_slots: int,
+        per_head: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        buffers: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        k_shape, v_shape = _shape("k_shape", k_shape), _shape("v_shape", v_shape)
+        if len(k_shape) != len(v_shape) or k_shape[:-1] != v_shape[:-1]:
+            raise ValueError(f"k_shape and v_shape must agree except in the last dim, got {k_shape} and {v_shape}")
+        seq, head = normalise_dims(k_shape, seq_dim, head_dim)
+        if k_shape[seq] != capacity:
+            raise ValueError(
+                f"k_shape[seq_dim={seq}] must equal sink + window = {capacity}, got {k_shape[seq]} in {k_shape}"
+            )
+        num_layers = check_int("num_layers", num_layers, 1)
+        recall_slots = check_int("recall_slots", recall_slots, 0)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {device} was asked for, but this torch build or machine has no CUDA device")
+
+        self.k_shape, self.v_shape = k_shape, v_shape
+        self.seq_dim, self.head_dim = seq, head
+        self.heads = k_shape[head] if head is not None else 1
+        self.capacity, self.recall_slots, self.slots = capacity, recall_slots, capacity + recall_slots
+        self.chunk, self.num_layers, self.dtype = chunk, num_layers, dtype
+        self.per_head = bool(per_head)
+        full_k = (num_layers, *k_shape[:seq], self.slots, *k_shape[seq + 1 :])
+        full_v = (num_layers, *v_shape[:seq], self.slots, *v_shape[seq + 1 :])
+        if buffers is None:
+            self.keys = torch.zeros(full_k, dtype=dtype, device=device)
+            self.values = torch.zeros(full_v, dtype=dtype, device=device)
+        else:
+            self.keys, self.values = self._check_buffers(buffers, full_k, full_v)
+        self.device = self.keys.device
+        L, H = num_layers, self.heads
+        # positions per (layer, head, slot): one plan for all when shared (and no per-head recall)
+        lp, hp = (L, H) if (self.per_head or recall_slots) else (1, 1)
+        self.positions = torch.full((lp, hp, self.slots), -1, dtype=torch.long, device=self.device)
+        wl, wh = (L, H) if self.per_head else (1, 1)
+        self.plan = torch.arange(chunk, dtype=torch.long, device=self.device).repeat(wl, wh, 1)
+        # host offset of a contiguous write (the chronological path; ``plan`` then holds the
+        # same slots, for reading); None: writes follow ``plan``
+        self.write_start: int | None = None
+        self._chunk_k = k_shape[:seq] + (chunk,) + k_shape[seq + 1 :]
+        self._chunk_v = v_shape[:seq] + (chunk,) + v_shape[seq + 1 :]
+        # per-head writes see a layer as (token, head, other dims..., feature)
+        rank = len(k_shape)
+        rest = [d for d in range(rank - 1) if d not in (seq, head)]
+        self._perm = [seq, *([head] if head is not None else []), *rest, rank - 1]
+        self._heads_idx = torch.arange(H, device=self.device).expand(chunk, H)
+        self._k_wide, self._v_wide = _int64_view(self.keys), _int64_view(self.values)
+
+    def _check_buffers(self, buffers: object, full_k: tuple[int, ...], full_v: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        if not (isinstance(buffers, (tuple, list)) and len(buffers) == 2):
+            raise TypeError(f"buffers must be a (K, V) pair of tensors, got {type(buffers).__name__}")
+        k, v = buffers
+        for name, t, want in (("K", k, full_k), ("V", v, full_v)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"buffers {name} must be a Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != want:
+                raise ValueError(f"buffers {name} must have shape {want}, got {tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"buffers {name} must have dtype {self.dtype}, got {t.dtype}")
+            if t.layout != torch.strided:
+                raise ValueError(f"buffers {name} must be a dense (strided) tensor, got layout {t.layout}")
+            if t.requires_grad:
+                raise ValueError(f"buffers {name} must not require grad (the cache writes into it in place)")
+            if torch._debug_has_internal_overlap(t) != 0:
+                raise ValueError(
+                    f"buffers {name} has elements that share memory (an expanded or stride-0 view): every slot "
+                    f"needs memory of its own"
+                )
+        if k.device != v.device:
+            raise ValueError(f"buffers K and V must share a device, got {k.device} and {v.device}")
+        if _overlap(k, v):
+            raise ValueError("buffers K and V share memory: the cache needs two separate buffers")
+        return k, v
+
+    # ------------------------------------------------------------------ views
+    @property
+    def slot_positions(self) -> Tensor:
+        """Device ``int64 [L, H, S]`` (``-1`` empty), broadcast from the shared plan where
+        there is one. The storage's own tensor: do not mutate it."""
+        return self.positions.expand(self.num_layers, self.heads, self.slots)
+
+    @property
+    def write_slots(self) -> Tensor:
+        """Device ``int64 [L, H, chunk]``: the slot of each row of the open (or last) chunk."""
+        return self.plan.expand(self.num_layers, self.heads, self.chunk)
+
+    @property
+    def head_axis(self) -> int | None:
+        """Index of the head dim among the leading dims of a layer moved to ``[..., T, D]``
+        (the token dim moved next to the features); None without a head dim."""
+        if self.head_dim is None:
+            return None
+        return [d for d in range(len(self.k_shape) - 1) if d != self.seq_dim].index(self.head_dim)
+
+    def bias(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """Additive attention bias from per-head slot ``positions [H, S]`` (``-inf`` where
+        ``< 0``), shaped to broadcast against scores ``[..., Q, S]`` of a layer moved to
+        ``[..., T, D]``: ``H`` at :attr:`head_axis`, ones elsewhere."""
+        bias = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
+        bias.masked_fill_(positions < 0, float("-inf"))
+        shape = [1] * (len(self.k_shape) - 2) + [1, positions.shape[-1]]
+        if self.head_axis is None:
+            return bias[:1].view(shape)
+        shape[self.head_axis] = positions.shape[0]
+        return bias.view(shape)
+
+    def layer_positions(self, layer: int) -> Tensor:
+        """``int64 [H, S]``: the positions of ``layer``'s slots per head (a view)."""
+        return self.positions[layer if self.positions.shape[0] > 1 else 0].expand(self.heads, self.slots)
+
+    def chunk_shape(self, which: str) -> tuple[int, ...]:
+        """Shape of one chunk's ``"k"`` or ``"v"`` (``chunk`` at ``seq_dim``)."""
+        return self._chunk_k if which == "k" else self._chunk_v
+
+    def layer_keys(self, layer: int) -> Tensor:
+        return self.keys[layer]
+
+    def layer_values(self, layer: int) -> Tensor:
+        return self.values[layer]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V buffers (every layer, recall slots included)."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def owns(self, t: Tensor) -> bool:
+        """``t`` shares memory with the K/V buffers or the slot metadata."""
+        return any(_overlap(t, b) for b in (self.keys, self.values, self.positions, self.plan))
+
+    # ----------------------------------------------------------------- writes
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Copy one layer's chunk K/V into the planned slots (inputs already checked)."""
+        if self.write_start is not None:
+            start, c = self.write_start, self.chunk
+            self.keys[layer].narrow(self.seq_dim, start, c).copy_(k)
+            self.values[layer].narrow(self.seq_dim, start, c).copy_(v)
+        elif not self.per_head or self.head_dim is None:
+            slots = self.plan[layer if self.per_head else 0, 0]
+            # the int64 view helps the eager CPU kernel; a compiled step generates its own
+            # kernel (and cannot inspect a traced tensor's storage offset)
+            eager = not torch.compiler.is_compiling()
+            for buf, wide, x in ((self.keys, self._k_wide, k), (self.values, self._v_wide, v)):
+                x_wide = _int64_view(x) if eager and wide is not None else None
+                if x_wide is not None:
+                    wide[layer].index_copy_(self.seq_dim, slots, x_wide)
+                else:
+                    buf[layer].index_copy_(self.seq_dim, slots, x)
+        else:
+            idx = (self.plan[layer].transpose(0, 1), self._heads_idx)  # [C, H] each
+            self.keys[layer].permute(self._perm).index_put_(idx, k.permute(self._perm))
+            self.values[layer].permute(self._perm).index_put_(idx, v.permute(self._perm))
+
+    def shift(self, dst: int, src: int, n: int) -> None:
+        """Move slots ``[src, src + n)`` to ``[dst, dst + n)`` in every layer, positions too
+        (the current path's roll: clone, then copy back shifted)."""
+        seq = self.seq_dim + 1  # buffers carry the layer dim first
+        for buf in (self.keys, self.values):
+            buf.narrow(seq, dst, n).copy_(buf.narrow(seq, src, n).clone())
+        self.positions.narrow(-1, dst, n).copy_(self.positions.narrow(-1, src, n).clone())
+
+    def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
+        """``layer``'s ``"k"`` / ``"v"`` rows at ``slots`` (a copy, token dim at ``seq_dim``)."""
+        buf = self.keys[layer] if which == "k" else self.values[layer]
+        return buf.index_select(self.seq_dim, slots)
+
+    # ----------------------------------------------------------- recall slots
+    def write_recall(self, layer: int, head: int, at: int, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Put ``n`` recalled tokens of one head in recall slots ``[at, at + n)`` (counted from
+        the first recall slot): ``k``/``v`` shaped like the layer's rows of that head with the
+        token dim first (``[n, other dims..., D]``), ``positions [n]``."""
+        n = positions.numel()
+        if self.head_dim is None or not 0 <= at <= self.recall_slots - n:
+            raise ValueError(f"recall slots [{at}, {at + n}) outside [0, {self.recall_slots}) or no head dim")
+        lo = self.capacity + at
+        self.keys[layer].permute(self._perm)[lo : lo + n, head] = k
+        self.values[layer].permute(self._perm)[lo : lo + n, head] = v
+        self.positions[layer, head, lo : lo + n] = positions
+
+    def clear_recall(self, layer: int, head: int, at: int, n: int) -> None:
+        """Empty recall slots ``[at, at + n)`` of one head (positions -1, K/V zeroed)."""
+        lo = self.capacity + at
+        self.keys[layer].permute(self._perm)[lo : lo + n, head] = 0
+        self.values[layer].permute(self._perm)[lo : lo + n, head] = 0
+        self.positions[layer, head, lo : lo + n] = -1
+
+    def zero_(self) -> None:
+        """Forget everything: K/V zeroed (no stale value can reach an output), slots empty."""
+        self.keys.zero_()
+        self.values.zero_()
+        self.positions.fill_(-1)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVStorage(k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, "
+            f"head_dim={self.head_dim}, capacity={self.capacity}, recall_slots={self.recall_slots}, "
+            f"num_layers={self.num_layers}, per_head={self.per_head}, dtype={self.dtype}, device={self.device})"
+        )
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` touch a common byte of memory (conservative: by storage extent)."""
+    if a.device != b.device or a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    if a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.data_ptr() != sb.data_ptr():
+        return False
+    return _extent(a)[0] < _extent(b)[1] and _extent(b)[0] < _extent(a)[1]
+
+
+def _extent(t: Tensor) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` of ``t`` inside its storage."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + (span + 1) * size
