@@ -1,11 +1,12 @@
 """The attention dispatch: physical order where valid, chronological elsewhere, never a
-silent fallback; the blockwise log-sum-exp."""
+silent fallback; the blockwise kernel (log-sum-exp, per-key statistics, grouped queries)."""
 
 import pytest
 import torch
 
 from streamkv import ChronologicalCache, RingCache
-from streamkv.attention import attend, blockwise_lse
+from streamkv.attention import attend
+from streamkv.scoring import blockwise_attention
 from streamkv.reference import ReferenceCache, reference_attention
 from streamkv.rope import Rope3D
 
@@ -40,7 +41,7 @@ def test_physical_equals_reference_for_every_occupancy(chunks, occupancy):
     ring = _fill(_ring(), chunks, ref=ref)
     q = torch.randn(1, C, H, D, dtype=torch.float64)
     assert ring.all_valid == (occupancy == "all" or chunks >= 3)  # "all" is only asked of a full cache
-    out, info = attend(q, ring, order="physical", occupancy=occupancy, return_lse=True)
+    out, info = attend(q, ring.read(occupancy=occupancy), order="physical", return_lse=True)
     want = reference_attention(q.transpose(1, 2), ref.chronological_keys().transpose(1, 2), ref.chronological_values().transpose(1, 2))
     assert info.path == "physical" and info.occupancy == occupancy
     assert (out.transpose(1, 2) - want).abs().max() < 1e-12
@@ -104,14 +105,50 @@ def test_chronological_cache_physical_equals_chronological_in_fp32():
 
 
 @pytest.mark.parametrize("block", [1, 5, 64])
-def test_blockwise_lse_matches_logsumexp_with_a_bias(block):
+def test_blockwise_kernel_matches_a_full_softmax_with_a_bias(block):
+    """Output, log-sum-exp and per-key statistics (max and sum over queries and batch, per
+    head) against one full-matrix softmax."""
     q = torch.randn(2, 3, 11, 8, dtype=torch.float64)
     k = torch.randn(2, 3, 13, 8, dtype=torch.float64)
+    v = torch.randn(2, 3, 13, 5, dtype=torch.float64)
     bias = torch.zeros(13, dtype=torch.float64)
     bias[[2, 7]] = float("-inf")
-    lse = blockwise_lse(q, k, scale=0.3, bias=bias, block=block)
-    want = (q @ k.transpose(-1, -2) * 0.3 + bias).logsumexp(-1)
-    assert (lse - want).abs().max() < 1e-12
+    res = blockwise_attention(q, k, v, bias, scale=0.3, block=block, statistics=True, lse=True, head_axis=1)
+    s = q @ k.transpose(-1, -2) * 0.3 + bias
+    p = s.softmax(-1)
+    assert (res.lse - s.logsumexp(-1)).abs().max() < 1e-12
+    assert (res.out - p @ v).abs().max() < 1e-12
+    assert (res.key_max - p.amax(dim=(0, 2))).abs().max() < 1e-15
+    assert (res.key_sum - p.sum(dim=(0, 2))).abs().max() < 1e-12
+    assert res.key_max[:, [2, 7]].abs().max() == 0
+
+
+def test_grouped_query_attention_equals_repeated_keys():
+    """Six query heads over two key heads (query head h reads key head h // 3, as
+    transformers' repeat_kv): the same as attention over keys repeated per query head."""
+    ring = RingCache((1, S + W, 2, D), (1, S + W, 2, D + 1), seq_dim=1, sink=S, window=W, chunk=C, dtype=torch.float64)
+    _fill_heads(ring, 5)
+    q = torch.randn(1, C, 6, D, dtype=torch.float64)
+    out, info = attend(q, ring, causal=True)
+    k = ring.keys().repeat_interleave(3, dim=2).transpose(1, 2)
+    v = ring.values().repeat_interleave(3, dim=2).transpose(1, 2)
+    pos = ring.layer_slot_positions()[0]
+    qpos = torch.arange(4 * C, 5 * C)
+    mask = torch.zeros(C, S + W, dtype=torch.float64).masked_fill((pos.view(1, -1) > qpos.view(-1, 1)) | (pos < 0), float("-inf"))
+    want = torch.softmax(q.transpose(1, 2) @ k.transpose(-1, -2) / D**0.5 + mask, -1) @ v
+    assert out.shape == (1, C, 6, D + 1)
+    assert (out.transpose(1, 2) - want).abs().max() < 1e-12
+
+
+def _fill_heads(cache, chunks):
+    gen = torch.Generator().manual_seed(7)
+    hk = cache.k_shape[2]
+    for c in range(chunks):
+        cache.begin_chunk(c)
+        cache.write(torch.randn(1, C, hk, D, generator=gen, dtype=cache.dtype),
+                    torch.randn(1, C, hk, D + 1, generator=gen, dtype=cache.dtype))
+        if c + 1 < chunks:
+            cache.commit_chunk(c)
 
 
 def test_bad_options_are_named():
@@ -122,4 +159,6 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="needs key_transform"):
         attend(q, ring, rope="cache_relative")
     with pytest.raises(ValueError, match="occupancy must be 'all', 'prefix' or 'mask', got 'full'"):
-        attend(q, ring, order="physical", occupancy="full")
+        ring.read(occupancy="full")
+    with pytest.raises(ValueError, match="occupancy 'all' would read empty slots: 6 of 9"):
+        ring.read(occupancy="all")

@@ -7,9 +7,9 @@ import torch
 
 from streamkv.attention import attend
 from streamkv.certify import CertifiedCacheSet, CertifiedMassCache, CertifiedRingCache, HistoryCheck, certified_attend
-from streamkv.certify.experiment import RunConfig, SummaryOptions, run_dit, run_synthetic
-from streamkv.certify.synthetic import QKVConfig, synthesize_qkv
-from streamkv.experiments.pareto import single_thread
+from streamkv.lab.experiments.certify import RunConfig, SummaryOptions, run_dit, run_synthetic
+from streamkv.lab.experiments.qkv import QKVConfig, synthesize_qkv
+from streamkv.lab.experiments.pareto import single_thread
 
 S, W, C, B, H, D = 2, 12, 4, 2, 3, 8
 

@@ -5,13 +5,13 @@ import sys
 
 
 def test_help_does_not_import_torch():
-    code = "import sys, streamkv.cli; streamkv.cli.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, streamkv.lab.cli; streamkv.lab.cli.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_errors_go_to_stderr_with_exit_status_2(capsys):
-    from streamkv.cli import main
+    from streamkv.lab.cli import main
 
     assert main(["rollout", "--config", "huge"]) == 2
     err = capsys.readouterr().err

@@ -18,7 +18,7 @@ import torch._dynamo.testing
 
 from streamkv import CacheSet
 from streamkv.distributed import ContextParallel, check_split, compare_context_parallel, launch
-from streamkv.distributed import compare as cp_compare
+from streamkv.lab.experiments import cp_compare
 from streamkv.layout import CacheLayout
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.models.config import DiTConfig

@@ -1,4 +1,4 @@
-"""The seed's experiments (streamkv.experiments.synthetic / .pareto) and ``streamkv pareto``.
+"""The seed's experiments (streamkv.lab.experiments.synthetic / .pareto) and ``streamkv pareto``.
 
 The five falsifiers are tests here, checked on the per-query records (not only on the
 flags the experiment computes), and each falsifier is also shown to fire on a
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from streamkv.budget import FixedWindow, Full, PerQueryMass
-from streamkv.cli import main
-from streamkv.experiments.pareto import _interp_log, falsifiers, run_pareto, single_thread
-from streamkv.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
+from streamkv.lab.cli import main
+from streamkv.lab.experiments.pareto import _interp_log, falsifiers, run_pareto, single_thread
+from streamkv.lab.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps

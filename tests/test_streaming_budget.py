@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamkv.caches import H2OCache, MassBudgetCache, RingCache
-from streamkv.cli import main
-from streamkv.experiments.streaming_budget import (
+from streamkv.lab.cli import main
+from streamkv.lab.budget import (
     RecordingMass,
     SyntheticHeads,
     matched_h2o_budget,
@@ -218,7 +218,7 @@ def test_synthetic_heads_guarantee_and_oracle_dominance():
     qkv = synthetic_qkv(spec, seed=0)
     n = spec.base.tokens
     # the embedding reproduces the generator's logits exactly enough to be its attention
-    from streamkv.experiments.synthetic import synthesize
+    from streamkv.lab.experiments.synthetic import synthesize
 
     s0 = synthesize(spec.configs()[0], 0)
     torch.testing.assert_close(qkv[0][:, 0] @ qkv[1][:, 0].T / math.sqrt(n), s0.logits, rtol=0, atol=1e-12)

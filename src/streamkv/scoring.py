@@ -81,7 +81,7 @@ def blockwise_attention(
     for start in range(0, n, block):
         s = (qf[..., start : start + block, :] @ kt) * scale
         if bias is not None:
-            b = bias if bias.shape[-2] == 1 else bias[..., start : start + block, :]
+            b = bias if bias.dim() < 2 or bias.shape[-2] == 1 else bias[..., start : start + block, :]
             s = s + b.to(acc)
         row = torch.logsumexp(s, dim=-1, keepdim=True)
         p = torch.exp(s - row)

@@ -5,7 +5,7 @@ attribute (``L`` layers, ``H`` heads, ``S = capacity + recall_slots`` slots, ``C
 
     keys, values     [L, *k_shape] / [L, *v_shape]   k_shape[seq_dim] = S
     slot_positions   int64 [L, H, S]   the position held by slot s of head h in layer l (-1: empty)
-    write_slots      int64 [L, H, C]   the slot that row i of the open chunk goes to
+    write_slots      int64 [L, H, C]   the slot that row i of the open span goes to (its n rows)
 
 A *shared* plan (ring, chronological: every layer and head holds the same positions) keeps
 ``[1, 1, S]`` and ``[1, 1, C]`` tensors and exposes them broadcast (``expand``), so its
@@ -184,6 +184,9 @@ class KVStorage:
         self._perm = [seq, *([head] if head is not None else []), *rest, rank - 1]
         self._heads_idx = torch.arange(H, device=self.device).expand(chunk, H)
         self._k_wide, self._v_wide = _int64_view(self.keys), _int64_view(self.values)
+        # the storages behind every tensor the cache writes: what ``owns`` compares against
+        self._own = [t for t in (self.keys, self.values, self.positions, self.plan) if t.device.type != "meta"]
+        self._own_ptrs = {t.untyped_storage().data_ptr() for t in self._own}
 
     def _check_buffers(self, buffers: object, full_k: tuple[int, ...], full_v: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         if not (isinstance(buffers, (tuple, list)) and len(buffers) == 2):
@@ -264,17 +267,23 @@ class KVStorage:
 
     def owns(self, t: Tensor) -> bool:
         """``t`` shares memory with the K/V buffers or the slot metadata."""
-        return any(_overlap(t, b) for b in (self.keys, self.values, self.positions, self.plan))
+        if t.layout != torch.strided or t.device.type == "meta" or t.untyped_storage().data_ptr() not in self._own_ptrs:
+            return False
+        return any(_overlap(t, b) for b in self._own)
 
     # ----------------------------------------------------------------- writes
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Copy one layer's chunk K/V into the planned slots (inputs already checked)."""
+        """Copy one layer's rows of the open span (``n <= chunk`` rows at ``seq_dim``) into the
+        first ``n`` planned slots (inputs already checked)."""
+        n = k.shape[self.seq_dim]
         if self.write_start is not None:
-            start, c = self.write_start, self.chunk
-            self.keys[layer].narrow(self.seq_dim, start, c).copy_(k)
-            self.values[layer].narrow(self.seq_dim, start, c).copy_(v)
+            start = self.write_start
+            self.keys[layer].narrow(self.seq_dim, start, n).copy_(k)
+            self.values[layer].narrow(self.seq_dim, start, n).copy_(v)
         elif not self.per_head or self.head_dim is None:
             slots = self.plan[layer if self.per_head else 0, 0]
+            if n != self.chunk:
+                slots = slots[:n]
             # the int64 view helps the eager CPU kernel; a compiled step generates its own
             # kernel (and cannot inspect a traced tensor's storage offset)
             eager = not torch.compiler.is_compiling()
@@ -285,7 +294,8 @@ class KVStorage:
                 else:
                     buf[layer].index_copy_(self.seq_dim, slots, x)
         else:
-            idx = (self.plan[layer].transpose(0, 1), self._heads_idx)  # [C, H] each
+            plan = self.plan[layer] if n == self.chunk else self.plan[layer, :, :n]
+            idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
             self.keys[layer].permute(self._perm).index_put_(idx, k.permute(self._perm))
             self.values[layer].permute(self._perm).index_put_(idx, v.permute(self._perm))
 

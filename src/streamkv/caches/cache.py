@@ -12,6 +12,10 @@ stream chunk by chunk::
 
 ``begin_chunk(c)`` accepts the next chunk (``c == next_chunk``: advance, which may evict) or the
 last one again (``c == next_chunk - 1``: reuse its slots, as flashdreams' ``before_update``).
+A chunk is a *span* of ``chunk`` positions; streams whose steps differ in length (an LLM's
+prefill chunks, then one token per decoding step) open spans of ``1 <= n <= chunk`` tokens
+with ``begin_tokens(n)`` and close them with ``commit()``: chunk ``c`` is the span
+``[c * chunk, (c + 1) * chunk)``.
 
 The kinds (``RingCache``, ``ChronologicalCache``, ``MassBudgetCache``, ``H2OCache``,
 ``TOVACache``) are this class with a fixed policy (:mod:`streamkv.policies`); they share
@@ -138,10 +142,13 @@ class KVCache:
         self._arange_c = torch.arange(layout.chunk, dtype=torch.long, device=st.device)
         self._chunk_positions = self._arange_c.clone()
         # host state: the only Python ints of the lifecycle
-        self._next_chunk = 0  # chunks reserved so far; begin_chunk(_next_chunk) advances
-        self._open: int | None = None  # the chunk between begin_chunk and commit_chunk
-        self._is_open = False  # the same as a bool, read by write() (stable under compile)
+        self._end = 0  # positions that have entered the stream (the open span included)
+        self._span = 0  # rows of the open (or last) span: it is [end - span, end)
+        self._open = False  # a span is open (read by write(): a plain bool, stable under compile)
         self._observers: list[CacheObserver] = []
+        # reads of the current lifecycle state, by (layer, occupancy): a read changes only
+        # when begin/commit/reset/load does, so the per-pass cost is a dict lookup
+        self._reads: dict[tuple[int, str], KVRead] = {}
 
     # ================================================================ capabilities
     @property
@@ -185,50 +192,69 @@ class KVCache:
 
         Raises:
             TypeError: ``chunk_idx`` is not an int.
-            RuntimeError: a chunk is already open; the cache's buffers are inference tensors
+            RuntimeError: a span is already open; the cache's buffers are inference tensors
                 and inference mode is off.
             ValueError: ``chunk_idx`` is neither the next nor the current chunk; the stream
-                would pass :data:`MAX_POSITION`.
+                is not at a chunk boundary; it would pass :data:`MAX_POSITION`.
         """
         self.prepare_begin(chunk_idx).apply()
+
+    def begin_tokens(self, n: int) -> None:
+        """Open a span of the next ``n`` positions (``1 <= n <= chunk``), e.g. a prefill
+        chunk or one decoded token; ``commit()`` closes it. Otherwise as :meth:`begin_chunk`."""
+        n = check_int("n", n)
+        if not 1 <= n <= self.layout.chunk:
+            raise ValueError(f"a span holds 1 to chunk={self.layout.chunk} tokens, got n={n}")
+        self._check_can_begin(f"begin_tokens({n})")
+        self._prepare(self._end, n, True).apply()
 
     def prepare_begin(self, chunk_idx: int) -> Transition:
         """Check, plan and announce ``begin_chunk(chunk_idx)``; nothing changes until the
         returned transition is applied."""
         advance = self.check_begin(chunk_idx)
-        chunk_idx = check_int("chunk_idx", chunk_idx)
-        step = self.policy.begin(chunk_idx, advance)
+        return self._prepare(check_int("chunk_idx", chunk_idx) * self.layout.chunk, self.layout.chunk, advance)
+
+    def _prepare(self, start: int, n: int, advance: bool) -> Transition:
+        if advance and start + n > MAX_POSITION:
+            raise ValueError(f"positions [{start}, {start + n}) would pass 2**53 ({MAX_POSITION}): start a new stream")
+        step = self.policy.begin(start, n, advance)
+        chunk_idx = start // self.layout.chunk
         self._announce(chunk_idx, "begin", step)
         for obs in self._observers:
             obs.on_begin(self, chunk_idx, advance)
-        start = self.layout.chunk_start(chunk_idx)
 
         def apply() -> None:
             step.apply()
             self._chunk_positions.fill_(start).add_(self._arange_c)
-            if advance:
-                self._next_chunk += 1
-            self._open, self._is_open = chunk_idx, True
+            self._end, self._span, self._open = start + n, n, True
+            self._reads.clear()
 
         return Transition(apply)
+
+    def _check_can_begin(self, what: str) -> None:
+        self._check_mutable(what)
+        if self._open:
+            raise RuntimeError(f"{self._open_name()} is still open: call {self._commit_call()} before {what}")
 
     def check_begin(self, chunk_idx: int) -> bool:
         """Raise as ``begin_chunk(chunk_idx)`` would; else True for an advance, False for a
         reopen. Changes nothing."""
         chunk_idx = check_int("chunk_idx", chunk_idx)
-        self._check_mutable("begin_chunk")
-        if self._open is not None:
-            raise RuntimeError(
-                f"chunk {self._open} is still open: call commit_chunk({self._open}) before begin_chunk({chunk_idx})"
+        self._check_can_begin(f"begin_chunk({chunk_idx})")
+        C = self.layout.chunk
+        if self._end % C:
+            raise ValueError(
+                f"the stream is at position {self._end}, not at a chunk boundary (chunk={C}): begin_chunk needs whole "
+                f"chunks; continue with begin_tokens(n) or reset"
             )
-        nxt = self._next_chunk
+        nxt = self._end // C
         if chunk_idx == nxt:
-            if (nxt + 1) * self.layout.chunk > MAX_POSITION:
+            if (nxt + 1) * C > MAX_POSITION:
                 raise ValueError(f"chunk {nxt} would pass position 2**53 ({MAX_POSITION}): start a new stream (reset)")
             return True
-        if chunk_idx == nxt - 1 and chunk_idx >= 0:
+        if chunk_idx == nxt - 1 and chunk_idx >= 0 and self._span == C:
             return False
-        allowed = f"the next chunk ({nxt})" + (f" or the current one ({nxt - 1})" if nxt else "")
+        allowed = f"the next chunk ({nxt})" + (f" or the current one ({nxt - 1})" if nxt and self._span == C else "")
         raise ValueError(f"chunk_idx must be {allowed}, got {chunk_idx}")
 
     def write(self, k: Tensor, v: Tensor, layer: int | None = None) -> None:
@@ -284,30 +310,47 @@ class KVCache:
         """
         self.prepare_commit(chunk_idx).apply()
 
+    def commit(self) -> None:
+        """Make the open span history (:meth:`commit_chunk` for spans of any length)."""
+        self._check_open_for("commit()")
+        self._prepare_commit().apply()
+
     def prepare_commit(self, chunk_idx: int) -> Transition:
         """Check, plan and announce ``commit_chunk(chunk_idx)``; nothing changes until the
         returned transition is applied."""
         self.check_commit(chunk_idx)
-        step = self.policy.commit(self._open)
-        self._announce(self._open, "commit", step)
+        return self._prepare_commit()
+
+    def _prepare_commit(self) -> Transition:
+        start, n = self._end - self._span, self._span
+        step = self.policy.commit(start, n)
+        chunk_idx = start // self.layout.chunk
+        self._announce(chunk_idx, "commit", step)
         for obs in self._observers:
-            obs.on_commit(self, self._open)
+            obs.on_commit(self, chunk_idx)
 
         def apply() -> None:
             if step is not None:
                 step.apply()
-            self._open, self._is_open = None, False
+            self._open = False
+            self._reads.clear()
 
         return Transition(apply)
+
+    def _check_open_for(self, what: str) -> None:
+        self._check_mutable(what)
+        if not self._open:
+            raise RuntimeError(f"{what} with nothing open: call begin_chunk(chunk_idx) or begin_tokens(n) first")
 
     def check_commit(self, chunk_idx: int) -> None:
         """Raise as ``commit_chunk(chunk_idx)`` would for lifecycle reasons. Changes nothing."""
         chunk_idx = check_int("chunk_idx", chunk_idx)
-        self._check_mutable("commit_chunk")
-        if self._open is None:
-            raise RuntimeError(f"commit_chunk({chunk_idx}) with no open chunk: call begin_chunk first")
-        if chunk_idx != self._open:
-            raise ValueError(f"commit_chunk must name the open chunk ({self._open}), got {chunk_idx}")
+        self._check_open_for(f"commit_chunk({chunk_idx})")
+        if self.open_chunk is None:
+            raise ValueError(f"commit_chunk({chunk_idx}): the open span {self.open_span} is not a whole chunk; "
+                             f"use commit()")
+        if chunk_idx != self.open_chunk:
+            raise ValueError(f"commit_chunk must name the open chunk ({self.open_chunk}), got {chunk_idx}")
 
     def reset(self) -> None:
         """Forget the stream: every slot empty and zeroed (no stale value can reach an output),
@@ -317,29 +360,51 @@ class KVCache:
             obs.on_reset(self)
         self.storage.zero_()
         self.policy.reset()
-        self._next_chunk, self._open, self._is_open = 0, None, False
+        self._end, self._span, self._open = 0, 0, False
+        self._reads.clear()
 
     def _announce(self, chunk_idx: int, at: str, step: Step | None) -> None:
         if self._observers and step is not None and step.evicted is not None:
-            event = EvictionEvent(self, chunk_idx, at, step.evicted(), step.evicted_slots)
+            event = EvictionEvent(self, chunk_idx, at, step.evicted(), step.evicted_slots, step.info or {})
             for obs in self._observers:
                 obs.on_evict(event)
 
     # ================================================================ reading
     @property
     def next_chunk(self) -> int:
-        """Index that ``begin_chunk`` will advance to."""
-        return self._next_chunk
+        """Index that ``begin_chunk`` will advance to (the stream's whole chunks so far)."""
+        return self._end // self.layout.chunk
 
     @property
     def open_chunk(self) -> int | None:
-        """The chunk between ``begin_chunk`` and ``commit_chunk``, or None."""
+        """The chunk between ``begin_chunk`` and ``commit_chunk`` (None when nothing is open,
+        or the open span is not a whole chunk)."""
+        if not self._open or self._span != self.layout.chunk or self._end % self.layout.chunk:
+            return None
+        return self._end // self.layout.chunk - 1
+
+    @property
+    def is_open(self) -> bool:
+        """A chunk or span is open (between begin and commit)."""
         return self._open
 
     @property
+    def open_span(self) -> tuple[int, int] | None:
+        """``(start, n)`` of the open span (positions ``[start, start + n)``), or None."""
+        return (self._end - self._span, self._span) if self._open else None
+
+    @property
     def end(self) -> int:
-        """Positions that have entered the stream, the open chunk included."""
-        return self._next_chunk * self.layout.chunk
+        """Positions that have entered the stream, the open span included."""
+        return self._end
+
+    def _open_name(self) -> str:
+        c = self.open_chunk
+        return f"chunk {c}" if c is not None else f"span {self.open_span}"
+
+    def _commit_call(self) -> str:
+        c = self.open_chunk
+        return f"commit_chunk({c})" if c is not None else "commit()"
 
     @property
     def num_valid(self) -> int:
@@ -356,7 +421,7 @@ class KVCache:
         instead of ``"prefix"``."""
         if not self.valid_is_prefix:
             return "mask"
-        if self.layout.num_valid(self.end) == self.layout.capacity:
+        if self.layout.num_valid(self._end) == self.layout.capacity:
             return "all"
         return "mask" if static else "prefix"
 
@@ -409,6 +474,12 @@ class KVCache:
         return None
 
     def _read(self, layer: int, occupancy: Occupancy) -> KVRead:
+        read = self._reads.get((layer, occupancy))
+        if read is None:
+            read = self._reads[(layer, occupancy)] = self._make_read(layer, occupancy)
+        return read
+
+    def _make_read(self, layer: int, occupancy: Occupancy) -> KVRead:
         st = self.storage
         visible = self.layout.num_valid(self.end) if occupancy == "prefix" else st.slots
         refusal = self.chronological_refusal
@@ -416,7 +487,7 @@ class KVCache:
         return KVRead(
             keys=st.keys[layer], values=st.values[layer], seq_dim=st.seq_dim, head_axis=st.head_axis,
             positions=st.layer_positions(layer), occupancy=occupancy, visible=visible,
-            query_positions=self._chunk_positions if self._is_open else None, empty=self._next_chunk == 0,
+            query_positions=self._chunk_positions[: self._span] if self._open else None, empty=self._end == 0,
             num_retained=None if chrono is None else self.layout.num_valid(self.end), chronological=chrono, chronological_refusal=refusal,
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
             bias_fn=st.bias, name=f"{self.name} cache layer {layer}",
@@ -458,6 +529,25 @@ class KVCache:
         """Bytes of the K/V buffers (all layers, recall slots included)."""
         return self.storage.nbytes
 
+    def report(self) -> dict[str, Any]:
+        """What the cache holds and has evicted (synchronises): the policy's parameters, the
+        capacity, kept tokens per (layer, head) and their mean; for scored policies the
+        evictions, overflows and the last commit's dropped-mass bound per (layer, head)."""
+        kept = (self.storage.slot_positions[..., : self.layout.capacity] >= 0).sum(-1)
+        out: dict[str, Any] = {
+            "kind": self.name, **self.policy.params(), "capacity": self.layout.capacity,
+            "kept_tokens": kept.tolist(), "kept_tokens_mean": float(kept.float().mean()),
+        }
+        stats = self.policy.state()
+        if "evictions" in stats:
+            out.update(
+                evicted_total=int(stats["evictions"].sum()), overflows=stats["overflows"].tolist(),
+                overflow_total=int(stats["overflows"].sum()),
+                last_dropped_mass_bound=stats["dropped_mass_bound"].tolist(),
+                last_dropped_mass_bound_max=float(stats["dropped_mass_bound"].max()),
+            )
+        return out
+
     # ================================================================ observers
     def add_observer(self, observer: CacheObserver) -> CacheObserver:
         """Tell ``observer`` of every change from now on (see :mod:`.observers`); returns it."""
@@ -488,8 +578,8 @@ class KVCache:
         """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
         return {
             "kind": self.name,
-            "policy": self.policy.params(),
             "layout": (self.layout.sink, self.layout.window, self.layout.chunk),
+            "policy": self.policy.params(),
             "k_shape": self.k_shape,
             "v_shape": self.v_shape,
             "seq_dim": self.seq_dim,
@@ -517,8 +607,9 @@ class KVCache:
             )
         return {
             **self.config(),
-            "next_chunk": self._next_chunk,
-            "open_chunk": self._open,
+            "end": self._end,
+            "span": self._span,
+            "open": self._open,
             **{name: t.detach().clone() for name, t in self._tensors().items()},
         }
 
@@ -530,17 +621,17 @@ class KVCache:
         against the layout arithmetic; the slot positions against the counters. A rejected
         state changes nothing.
         """
-        nxt, open_chunk = self.validate_state(state)
+        end, span, is_open = self.validate_state(state)
         for name, t in self._tensors().items():
             t.copy_(state[name])
-        self._next_chunk, self._open, self._is_open = nxt, open_chunk, open_chunk is not None
-        if open_chunk is not None or nxt:
-            self._chunk_positions.fill_(self.layout.chunk_start(nxt - 1)).add_(self._arange_c)
-        self.policy.after_load(nxt, open_chunk)
+        self._end, self._span, self._open = end, span, is_open
+        self._chunk_positions.fill_(end - span).add_(self._arange_c)
+        self._reads.clear()
+        self.policy.after_load(end, span)
 
-    def validate_state(self, state: dict[str, Any]) -> tuple[int, int | None]:
-        """Raise as ``load_state_dict(state)`` would; else return ``(next_chunk, open_chunk)``
-        as exact ints. Changes nothing."""
+    def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:
+        """Raise as ``load_state_dict(state)`` would; else return ``(end, span, open)`` as exact
+        Python values. Changes nothing."""
         self._check_mutable("load_state_dict")
         if self.storage.recall_slots:
             raise RuntimeError("a cache with recall slots does not load state dicts (see state_dict)")
@@ -566,24 +657,26 @@ class KVCache:
                     f"state dict {key} shares memory with this cache's own buffers: loading it would read what it "
                     f"overwrites (keep a copy: state_dict() returns copies)"
                 )
-        if "next_chunk" not in state or "open_chunk" not in state:
-            raise ValueError("state dict lacks next_chunk / open_chunk")
+        for key in ("end", "span", "open"):
+            if key not in state:
+                raise ValueError(f"state dict lacks {key!r}")
         try:
-            nxt = check_int("next_chunk", state["next_chunk"], 0)
+            end = check_int("end", state["end"], 0)
+            span = check_int("span", state["span"], 0)
         except TypeError as exc:
             raise ValueError(f"state dict {exc}") from None
-        if nxt * self.layout.chunk > MAX_POSITION:
-            raise ValueError(f"state dict next_chunk={nxt} passes position 2**53 (chunk {self.layout.chunk})")
-        open_chunk = state["open_chunk"]
-        if open_chunk is not None:
-            try:
-                open_chunk = check_int("open_chunk", open_chunk)
-            except TypeError as exc:
-                raise ValueError(f"state dict {exc}") from None
-            if nxt == 0 or open_chunk != nxt - 1:
-                raise ValueError(f"state dict open_chunk must be None or next_chunk - 1 = {nxt - 1}, got {open_chunk!r}")
-        self.policy.check_state(state, nxt, open_chunk)
-        return nxt, open_chunk
+        is_open = state["open"]
+        if not isinstance(is_open, bool):
+            raise ValueError(f"state dict open must be a bool, got {type(is_open).__name__} {is_open!r}")
+        if end > MAX_POSITION:
+            raise ValueError(f"state dict end={end} passes position 2**53")
+        if span > min(end, self.layout.chunk) or (end and not span) or (is_open and not span):
+            raise ValueError(
+                f"state dict span={span} is impossible at end={end} (1 <= span <= min(end, chunk={self.layout.chunk}) "
+                f"once anything entered the stream)"
+            )
+        self.policy.check_state(state, end, span, is_open)
+        return end, span, is_open
 
     # ============================================================ validation
     def _check_mutable(self, what: str) -> None:
@@ -605,14 +698,20 @@ class KVCache:
         return layer
 
     def _check_write(self, k: Tensor, v: Tensor) -> None:
-        if not self._is_open:
+        if not self._open:
             raise RuntimeError("write() needs an open chunk: call begin_chunk(chunk_idx) first")
         self._check_mutable("write")
-        self._check_tensor("k", k, self.storage.chunk_shape("k"))
-        self._check_tensor("v", v, self.storage.chunk_shape("v"))
+        self._check_tensor("k", k, self._rows_shape("k"))
+        self._check_tensor("v", v, self._rows_shape("v"))
+
+    def _rows_shape(self, which: str) -> tuple[int, ...]:
+        """The shape of the open span's ``"k"`` or ``"v"`` rows."""
+        shape = self.storage.chunk_shape(which)
+        seq = self.seq_dim
+        return shape[:seq] + (self._span,) + shape[seq + 1 :]
 
     def _check_queries(self, q: Tensor) -> None:
-        want = self.storage.chunk_shape("k")
+        want = self._rows_shape("k")
         if isinstance(q, Tensor) and q.dim() == len(want) and self.head_dim is not None:
             h = self.head_dim
             if q.shape[h] != want[h] and q.shape[h] % want[h] == 0:
@@ -628,8 +727,8 @@ class KVCache:
             raise ValueError(f"{name} must have rank {len(shape)} (shape {shape}), got rank {t.dim()} {tuple(t.shape)}")
         if tuple(t.shape) != shape:
             raise ValueError(
-                f"{name} must have shape {shape}{heads_note} (chunk={self.layout.chunk} at seq_dim={self.seq_dim}), "
-                f"got {tuple(t.shape)}"
+                f"{name} must have shape {shape}{heads_note} ({self._span} rows of the open span at "
+                f"seq_dim={self.seq_dim}), got {tuple(t.shape)}"
             )
         if t.dtype != self.dtype:
             raise TypeError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
@@ -673,7 +772,7 @@ class KVCache:
         return (
             f"{type(self).__name__}(policy={self.policy!r}, sink={L.sink}, window={L.window}, chunk={L.chunk}, "
             f"k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, num_layers={self.num_layers}, "
-            f"dtype={self.dtype}, device={self.device}, next_chunk={self._next_chunk}, open_chunk={self._open})"
+            f"dtype={self.dtype}, device={self.device}, end={self._end}, open_span={self.open_span})"
         )
 
 

@@ -25,7 +25,7 @@ captured CUDA graph replays writes without them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor
@@ -45,6 +45,8 @@ class EvictionEvent:
     window cache's reservation overwrites it) or ``"commit"`` (a scored policy evicts it).
     ``shared_slots``: the evicted slots as host ints when every layer and head loses the
     same ones and the policy knows them without a device read (window policies), else None.
+    ``info``: what the policy says about it (scored policies: ``overflow`` bool ``[L, H]``,
+    the budget alone left too little room; ``dropped_mass_bound`` float64 ``[L, H]``).
     """
 
     cache: KVCache
@@ -52,6 +54,7 @@ class EvictionEvent:
     at: Literal["begin", "commit"]
     evicted: Tensor
     shared_slots: tuple[int, ...] | None = None
+    info: dict[str, Tensor] = field(default_factory=dict)
 
 
 class CacheObserver:

@@ -5,11 +5,12 @@ only its slot metadata (``positions``, ``plan``, ``write_start``) and its own st
 change comes in two phases, so that a cache (or a group of caches) can announce an
 eviction to its observers, or refuse, before anything changes::
 
-    step = policy.begin(chunk_idx, advance)   # plan only: nothing visible changes
+    step = policy.begin(start, n, advance)    # plan only: nothing visible changes
     step.evicted()                            # bool [L, H, S]: what will leave (lazy)
     step.apply()                              # the change; cannot fail
 
-and likewise ``policy.commit(chunk_idx)`` (``None`` when the policy does nothing at commit).
+and likewise ``policy.commit(start, n)`` (``None`` when the policy does nothing at commit).
+A span is ``n`` positions ``[start, start + n)``, ``1 <= n <= chunk`` (a whole chunk for video).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ class Step:
     """A planned change of a cache's slots. ``evicted`` is None when nothing leaves; else it
     returns the device ``bool [L, H, S]`` mask of the slots whose tokens leave.
     ``evicted_slots``: those slots as host ints, when every layer and head loses the same
-    ones and the policy knows them without reading the device (window policies)."""
+    ones and the policy knows them without reading the device (window policies). ``info``:
+    what the policy says about the eviction (scored policies: ``overflow`` bool ``[L, H]``,
+    ``dropped_mass_bound`` float64 ``[L, H]``)."""
 
     apply: Callable[[], None]
     evicted: Callable[[], Tensor] | None = None
     evicted_slots: tuple[int, ...] | None = None
+    info: dict[str, Tensor] | None = None
 
 
 class SlotPolicy(abc.ABC):
@@ -77,32 +81,29 @@ class SlotPolicy(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def begin(self, chunk_idx: int, advance: bool) -> Step:
-        """Plan the slots of chunk ``chunk_idx`` (``advance``: it is new; else it is reopened)."""
+    def begin(self, start: int, n: int, advance: bool) -> Step:
+        """Plan the slots of the span ``[start, start + n)`` (``advance``: it is new; else it is
+        the last span, reopened)."""
 
-    def commit(self, chunk_idx: int) -> Step | None:
-        """Plan what the chunk's commit changes (None: nothing). May refuse (raise)."""
+    def commit(self, start: int, n: int) -> Step | None:
+        """Plan what the span's commit changes (None: nothing). May refuse (raise)."""
         return None
 
     def reset(self) -> None:
         """Forget the stream (the storage is cleared by the cache)."""
 
-    def after_load(self, next_chunk: int, open_chunk: int | None) -> None:
-        """Rebuild derived device state after a state dict was loaded."""
+    def after_load(self, end: int, span: int) -> None:
+        """Rebuild derived device state after a state dict was loaded (``end`` positions in the
+        stream, the last span ``span`` long)."""
 
     # ----------------------------------------------------------- state dicts
     def state(self) -> dict[str, Tensor]:
         """Device state besides the storage's (saved in state dicts)."""
         return {}
 
-    def check_state(self, state: dict[str, Any], next_chunk: int, open_chunk: int | None) -> None:
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         """Raise ``ValueError`` unless ``state`` (a whole cache state dict) is consistent with
         the layout and the lifecycle counters. Changes nothing."""
-
-    def expected_positions(self, end: int) -> Tensor | None:
-        """The positions every slot must hold once ``end`` positions are in the stream, when
-        the policy determines them (window policies), else None."""
-        return None
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())

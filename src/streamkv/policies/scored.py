@@ -100,7 +100,6 @@ class ScoredPolicy(SlotPolicy):
         L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
         self._arange_c = torch.arange(C, device=dev)
         self._window_idx = torch.arange(layout.sink, cap, device=dev)
-        self._stage = torch.zeros((L, H, C), dtype=torch.long, device=dev)
         self._key_max = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
         self._key_sum = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
         # per layer: 1 once attention delivered the statistics since the layer's last write;
@@ -146,43 +145,39 @@ class ScoredPolicy(SlotPolicy):
         return res.key_max[:, :cap], res.key_sum[:, :cap]
 
     # -------------------------------------------------------------------- begin
-    def begin(self, chunk_idx: int, advance: bool) -> Step:
+    def begin(self, start: int, n: int, advance: bool) -> Step:
         st, S = self.storage, self.layout.sink
-        start = self.layout.chunk_start(chunk_idx)
-        n_sink = max(0, min(S - start, self.layout.chunk))
-        n_win = self.layout.chunk - n_sink
-        pos = self._arange_c + start  # [C]
-        if advance:
-            if n_sink:
-                self._stage[..., :n_sink] = pos[:n_sink]
-            if n_win:
-                win = st.positions[..., S : st.capacity]  # [L, H, W]
-                w = win.shape[-1]
-                key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
-                self._stage[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
-            slots = self._stage
-        else:
-            slots = st.plan  # reopen: the same slots (re-marked in case the chunk was evicted)
+        n_sink = max(0, min(S - start, n))
+        n_win = n - n_sink
 
-        def apply() -> None:
-            if advance:
-                st.plan.copy_(self._stage)
-            st.positions.scatter_(-1, st.plan, pos.expand_as(st.plan))
-            self.on_new(st.plan)
+        def apply() -> None:  # planned here: a begin that is refused touches no tensor
+            pos = self._arange_c[:n] + start  # [n]
+            plan = st.plan[..., :n]
+            if advance:  # the lowest free window slots of every (layer, head); sink rows pinned
+                if n_sink:
+                    plan[..., :n_sink] = pos[:n_sink]
+                if n_win:
+                    win = st.positions[..., S : st.capacity]  # [L, H, W]
+                    w = win.shape[-1]
+                    key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
+                    plan[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
+            # a reopened span keeps its slots (re-marked in case it was evicted: protect_newest=False)
+            st.positions.scatter_(-1, plan, pos.expand_as(plan))
+            self.on_new(plan)
 
-        del slots
         return Step(apply)
 
     # ------------------------------------------------------------------- commit
-    def commit(self, chunk_idx: int) -> Step:
+    def commit(self, start: int, n: int) -> Step:
         st, L = self.storage, self.storage.num_layers
+        what = f"positions [{start}, {start + n})"
         fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
         missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
         if missing:
             raise RuntimeError(
-                f"the {self.name} policy needs the queries of chunk {chunk_idx}, and layer(s) {missing} have none "
-                f"since their last write: attend through streamkv.attention.attend, or pass them to "
-                f"update(k, v, q); nothing was committed"
+                f"the {self.name} policy needs the queries of chunk {start // self.layout.chunk} ({what}), and "
+                f"layer(s) {missing} have none since their last write: attend through streamkv.attention.attend, "
+                f"or pass them to update(k, v, q); nothing was committed"
             )
         key_max, key_sum = self._key_max, self._key_sum
         stale = [layer for layer in range(L) if not fresh[layer]]
@@ -197,10 +192,10 @@ class ScoredPolicy(SlotPolicy):
         if not bool(finite.all()):
             bad = (~finite).nonzero().flatten().tolist()
             raise ValueError(
-                f"attention statistics of chunk {chunk_idx} are not finite in layer(s) {bad}: NaN or inf in the cached "
-                f"keys or the queries; the chunk stays open and nothing was evicted"
+                f"attention statistics of chunk {start // self.layout.chunk} ({what}) are not finite in layer(s) "
+                f"{bad}: NaN or inf in the cached keys or the queries; the chunk stays open and nothing was evicted"
             )
-        evict, overflow, n_evict, dropped = self._select(chunk_idx, pos, valid, prio, key_max)
+        evict, overflow, n_evict, dropped = self._select(start, pos, valid, prio, key_max)
 
         def apply() -> None:
             st.positions[..., : st.capacity].masked_fill_(evict, -1)
@@ -212,13 +207,13 @@ class ScoredPolicy(SlotPolicy):
         def evicted() -> Tensor:
             return torch.nn.functional.pad(evict, (0, st.recall_slots))
 
-        return Step(apply, evicted)
+        return Step(apply, evicted, info={"overflow": overflow.bool(), "dropped_mass_bound": dropped})
 
-    def _select(self, chunk_idx: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor):
+    def _select(self, start: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor):
         L = self.layout
         protected = valid & (pos < L.sink)
         if self.protect_newest:
-            protected |= valid & (pos >= L.chunk_start(chunk_idx))
+            protected |= valid & (pos >= start)
         cand = valid & ~protected
         cap = pos.shape[-1]
         # candidates by (priority, position) ascending; the others last
@@ -229,7 +224,7 @@ class ScoredPolicy(SlotPolicy):
         want = self.wanted(sorted_prio, n_cand, protected.sum(-1)).clamp(min=0)
         want = torch.minimum(want, n_cand)
         free = (~valid[..., L.sink :]).sum(-1)
-        need = (L.chunk - free - want).clamp(min=0)  # room the next chunk still lacks
+        need = (L.chunk - free - want).clamp(min=0)  # room the next span (up to a chunk) still lacks
         n_evict = torch.minimum(want + need, n_cand)
         evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
         return evict, (need > 0).long(), n_evict, (key_max * evict).sum(-1)
@@ -246,12 +241,11 @@ class ScoredPolicy(SlotPolicy):
     def state(self) -> dict[str, Tensor]:
         return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound}
 
-    def check_state(self, state: dict[str, Any], next_chunk: int, open_chunk: int | None) -> None:
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         st, lay = self.storage, self.layout
-        end = next_chunk * lay.chunk
         pos = state["slot_positions"][..., : st.capacity].to("cpu").expand(st.num_layers, st.heads, -1)
-        plan = state["write_slots"].to("cpu").expand(st.num_layers, st.heads, -1)
-        where = f"state dict of a {self.name} cache at next_chunk={next_chunk}"
+        plan = state["write_slots"].to("cpu").expand(st.num_layers, st.heads, -1)[..., :span]
+        where = f"state dict of a {self.name} cache at end={end}"
         if bool(((pos < -1) | (pos >= end)).any()):
             raise ValueError(f"{where}: slot_positions must be -1 or in [0, {end}), got values from "
                              f"{int(pos.min())} to {int(pos.max())}")
@@ -265,15 +259,13 @@ class ScoredPolicy(SlotPolicy):
         rest = pos[..., lay.sink :]
         if bool(((rest >= 0) & (rest < lay.sink)).any()):
             raise ValueError(f"{where}: a sink position sits outside the sink slots")
-        if bool(((plan < 0) | (plan >= st.capacity)).any()):
+        if span and bool(((plan < 0) | (plan >= st.capacity)).any()):
             raise ValueError(f"{where}: write_slots must be in [0, {st.capacity}), got {int(plan.min())}..{int(plan.max())}")
-        if next_chunk and (open_chunk is not None or self.protect_newest):
-            chunk = torch.arange(lay.chunk) + lay.chunk_start(next_chunk - 1)
-            if not bool((pos.gather(-1, plan) == chunk).all()):
-                raise ValueError(
-                    f"{where}: write_slots must hold the positions of chunk {next_chunk - 1} ({chunk.tolist()})"
-                )
-        if next_chunk and open_chunk is None and bool(((rest < 0).sum(-1) < lay.chunk).any()):
+        if span and (is_open or self.protect_newest):
+            last = torch.arange(end - span, end)
+            if not bool((pos.gather(-1, plan) == last).all()):
+                raise ValueError(f"{where}: write_slots must hold the positions of the last span {last.tolist()}")
+        if end and not is_open and bool(((rest < 0).sum(-1) < lay.chunk).any()):
             raise ValueError(f"{where}: every head needs {lay.chunk} free window slots for the next chunk")
         for name in ("overflows", "evictions"):
             if bool((state[name] < 0).any()):

@@ -46,12 +46,13 @@ class _Window(SlotPolicy):
         self._arange = torch.arange(c, dtype=torch.long, device=dev)
         self._chunk_pos = torch.zeros(c, dtype=torch.long, device=dev)
 
-    def _set_positions(self, slots: Tensor) -> None:
-        """The staged chunk positions take over ``slots`` (every layer and head)."""
+    def _set_positions(self, slots: Tensor, n: int) -> None:
+        """The staged positions of the span's ``n`` rows take over ``slots`` (every layer and head)."""
         pos = self.storage.positions
-        pos.index_copy_(-1, slots, self._chunk_pos.expand(*pos.shape[:2], -1))
+        pos.index_copy_(-1, slots, self._chunk_pos[:n].expand(*pos.shape[:2], -1))
 
     def expected_positions(self, end: int) -> Tensor:
+        """The position every slot holds once ``end`` positions are in the stream (``[cap]``)."""
         L, pos = self.layout, torch.full((self.storage.capacity,), -1, dtype=torch.long)
         for p, s in zip(L.retained_positions(end), self.chronological_slots(end)):
             pos[s] = p
@@ -61,27 +62,26 @@ class _Window(SlotPolicy):
         """Occupied slots ordered by the positions they hold."""
         raise NotImplementedError
 
-    def expected_plan(self, next_chunk: int) -> list[int]:
-        """The write slots of the last reserved chunk (``next_chunk - 1``)."""
+    def expected_plan(self, start: int, n: int) -> list[int]:
+        """The write slots of the span ``[start, start + n)`` once it is reserved."""
         raise NotImplementedError
 
-    def check_state(self, state: dict[str, Any], next_chunk: int, open_chunk: int | None) -> None:
-        end = next_chunk * self.layout.chunk
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         want = self.expected_positions(end)
         got = state["slot_positions"][..., : self.storage.capacity].to("cpu")
         if not bool((got == want).all()):
             raise ValueError(
-                f"state dict slot_positions contradict next_chunk={next_chunk}: a {self.name} cache that has seen "
-                f"{end} positions holds {want.tolist()} in its slots, the state has {got.reshape(-1, want.numel())[0].tolist()}"
+                f"state dict slot_positions contradict end={end}: a {self.name} cache that has seen {end} positions "
+                f"holds {want.tolist()} in its slots; the state has {got.reshape(-1, want.numel())[0].tolist()}"
                 f"{' (and more rows)' if got.numel() > want.numel() else ''}"
             )
-        if next_chunk:
-            plan = torch.tensor(self.expected_plan(next_chunk), dtype=torch.long)
-            got_plan = state["write_slots"].to("cpu")
+        if span:
+            plan = torch.tensor(self.expected_plan(end - span, span), dtype=torch.long)
+            got_plan = state["write_slots"].to("cpu").reshape(-1)[:span]
             if not bool((got_plan == plan).all()):
                 raise ValueError(
-                    f"state dict write_slots contradict next_chunk={next_chunk}: chunk {next_chunk - 1} of a "
-                    f"{self.name} cache writes slots {plan.tolist()}"
+                    f"state dict write_slots contradict end={end}: the span [{end - span}, {end}) of a {self.name} "
+                    f"cache writes slots {plan.tolist()}, the state says {got_plan.tolist()}"
                 )
 
 
@@ -98,44 +98,46 @@ class Ring(_Window):
         self._sink = torch.tensor(layout.sink, dtype=torch.long, device=dev)
         self._window = torch.tensor(layout.window, dtype=torch.long, device=dev)
 
-    def _plan(self, chunk_idx: int) -> None:
-        """Stage the chunk's positions and slots, on the device, in place:
+    def _plan(self, start: int) -> None:
+        """Stage the positions ``start + i`` and their slots, on the device, in place:
         ``slot = min(p, sink) + (max(p, sink) - sink) % window``."""
         s = self.layout.sink
         pos, slots = self._chunk_pos, self._stage
-        pos.fill_(self.layout.chunk_start(chunk_idx)).add_(self._arange)
+        pos.fill_(start).add_(self._arange)
         slots.copy_(pos).clamp_(min=s).sub_(self._sink).remainder_(self._window)
         slots.add_(self._scratch.copy_(pos).clamp_(max=s))
 
-    def begin(self, chunk_idx: int, advance: bool) -> Step:
+    def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
-            return Step(_noop)  # the chunk's slots and positions are in place
-        self._plan(chunk_idx)
+            return Step(_noop)  # the span's slots and positions are in place
         storage = self.storage
+        stage = self._stage if n == self.layout.chunk else self._stage[:n]
 
-        def apply() -> None:
-            storage.plan.view(-1).copy_(self._stage)
-            self._set_positions(self._stage)
+        def apply() -> None:  # planned here: a refused begin touches no tensor, not even scratch
+            self._plan(start)
+            storage.plan.view(-1)[:n].copy_(stage)
+            self._set_positions(stage, n)
+
+        L = self.layout
+        # row i (position p) overwrites the slot of p - window, retained iff p - window >= sink
+        slots = tuple(L.ring_slot(p) for p in range(start, start + n) if p - L.window >= L.sink)
 
         def evicted() -> Tensor:
             mask = empty_eviction(storage)
-            held = storage.positions.index_select(-1, self._stage) >= 0
-            mask.index_copy_(-1, self._stage, held.expand(*mask.shape[:2], -1))
+            mask[..., list(slots)] = True
             return mask
 
-        L = self.layout
-        slots = tuple(L.ring_slot(p) for p in L.chunk_positions(chunk_idx) if p - L.window >= L.sink)
         return Step(apply, evicted if slots else None, slots)
 
     def chronological_slots(self, end: int) -> list[int]:
         return self.layout.ring_chronological_slots(end)
 
-    def expected_plan(self, next_chunk: int) -> list[int]:
-        return [self.layout.ring_slot(p) for p in self.layout.chunk_positions(next_chunk - 1)]
+    def expected_plan(self, start: int, n: int) -> list[int]:
+        return [self.layout.ring_slot(p) for p in range(start, start + n)]
 
-    def after_load(self, next_chunk: int, open_chunk: int | None) -> None:
-        if next_chunk:
-            self._plan(next_chunk - 1)
+    def after_load(self, end: int, span: int) -> None:
+        if span:
+            self._plan(end - span)
             self.storage.plan.view(-1).copy_(self._stage)
 
 
@@ -152,20 +154,20 @@ class Chronological(_Window):
         super().bind(storage, layout)
         storage.write_start = 0
 
-    def begin(self, chunk_idx: int, advance: bool) -> Step:
+    def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
             return Step(_noop)
         L, storage = self.layout, self.storage
-        end = L.chunk_start(chunk_idx)  # positions before this chunk
-        new_end = end + L.chunk
+        end = start  # positions before this span
+        new_end = end + n
         shift = L.window_start(new_end) - L.window_start(end)
         keep = end - L.window_start(new_end)  # retained window positions that must move
-        start = L.chronological_slot(end, new_end)
+        first = L.chronological_slot(end, new_end)
 
         def apply() -> None:
             if shift > 0 and keep > 0:
                 storage.shift(L.sink, L.sink + shift, keep)
-            self._place(start, end)
+            self._place(first, end, n)
 
         def evicted() -> Tensor:
             mask = empty_eviction(storage)
@@ -174,12 +176,12 @@ class Chronological(_Window):
 
         return Step(apply, evicted if shift > 0 else None, tuple(range(L.sink, L.sink + shift)))
 
-    def _place(self, start: int, first_position: int) -> None:
+    def _place(self, first_slot: int, first_position: int, n: int) -> None:
         storage = self.storage
-        storage.write_start = start
-        torch.add(self._arange, start, out=storage.plan.view(-1))
+        storage.write_start = first_slot
+        torch.add(self._arange, first_slot, out=storage.plan.view(-1))
         torch.add(self._arange, first_position, out=self._chunk_pos)
-        self._set_positions(storage.plan.view(-1))
+        self._set_positions(storage.plan.view(-1)[:n], n)
 
     def reset(self) -> None:
         self.storage.write_start = 0
@@ -188,15 +190,14 @@ class Chronological(_Window):
     def chronological_slots(self, end: int) -> list[int]:
         return list(range(self.layout.num_valid(end)))
 
-    def expected_plan(self, next_chunk: int) -> list[int]:
-        L = self.layout
-        start = L.chronological_slot(L.chunk_start(next_chunk - 1), next_chunk * L.chunk)
-        return list(range(start, start + L.chunk))
+    def expected_plan(self, start: int, n: int) -> list[int]:
+        first = self.layout.chronological_slot(start, start + n)
+        return list(range(first, first + n))
 
-    def after_load(self, next_chunk: int, open_chunk: int | None) -> None:
-        if next_chunk:
-            start = self.expected_plan(next_chunk)[0]
-            self.storage.write_start = start
-            torch.add(self._arange, start, out=self.storage.plan.view(-1))
+    def after_load(self, end: int, span: int) -> None:
+        if span:
+            first = self.expected_plan(end - span, span)[0]
+            self.storage.write_start = first
+            torch.add(self._arange, first, out=self.storage.plan.view(-1))
         else:
             self.reset()

@@ -25,7 +25,6 @@ import contextlib
 import gc
 import math
 import os
-import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -42,11 +41,9 @@ __all__ = [
     "WrittenBytes",
     "check_device",
     "count_written_bytes",
-    "environment",
     "page_faults",
     "probe_transient",
     "sync",
-    "threads",
     "time_interleaved",
 ]
 
@@ -68,22 +65,6 @@ def sync(device: torch.device) -> None:
     """Wait for queued work on ``device`` (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(n)`` (unchanged when None), then restore."""
-    if n is None:
-        yield
-        return
-    if n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # ====================================================================== timing
@@ -621,35 +602,3 @@ class ForeignLoad:
 
 
 # ================================================================== versions
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and the machine, recorded with every result."""
-    import streamkv
-
-    from streamkv.lab.bench.peers import flashdreams_version
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{_cpu_name()} ({os.cpu_count()} logical CPUs)"
-    return {
-        "streamkv": streamkv.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "flashdreams": flashdreams_version(),
-        "device": str(device),
-        "device_name": name,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "platform": platform.platform(),
-    }

@@ -1,25 +1,10 @@
-"""Shared CLI helpers: JSON output, version records."""
+"""Shared CLI helpers: JSON output, the console."""
 
 from __future__ import annotations
 
 import json
-import platform
 from pathlib import Path
 from typing import Any
-
-
-def versions() -> dict[str, str]:
-    import torch
-
-    import streamkv
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
-    return {
-        "streamkv": streamkv.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": device,
-    }
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from statistics import median
 from typing import Iterator
 
 from rich.console import Console

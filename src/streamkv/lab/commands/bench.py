@@ -73,7 +73,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _end_to_end(args: argparse.Namespace, console) -> dict:
     """The tiny-DiT rollout through the current path and the ring: per-chunk latency and
     the share spent in cache maintenance (eager, instrumented)."""
-    from streamkv.lab.bench.measure import threads
+    from streamkv.lab.env import threads
     from streamkv.lab.experiments.rollout_compare import compare_rollouts
     from streamkv.lab.commands._rollout_report import print_tables
 

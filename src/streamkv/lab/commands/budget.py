@@ -162,13 +162,13 @@ def _per_head(console, title: str, sec: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from rich.console import Console
     from rich.table import Table
 
-    from streamkv.lab.experiments.streaming_budget import StreamingBudgetConfig, plot_streaming, run_streaming_budget
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.budget import StreamingBudgetConfig, plot_streaming, run_streaming_budget
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         plot_streaming(result, args.plot)
         result["plot"] = str(args.plot)
         console.print(f"wrote {args.plot}")
-    result["versions"] = versions()
+    result["versions"] = environment()
     write_json(args.json, result)
     if args.json:
         console.print(f"wrote {args.json}")

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.budget.mass import check_tau
     from streamkv.lab.experiments.certify import SummaryOptions, plot_certify, run_certify
     from streamkv.lab.experiments.qkv import QKVConfig
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
 
     check_tau(args.tau, "--tau")
     check_tau(args.budget_tau, "--budget-tau")
@@ -151,6 +152,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         console.print(f"plot: {plot_certify(result, args.plot)}")
     if args.json:
-        write_json(args.json, {**result, "versions": versions()})
+        write_json(args.json, {**result, "versions": environment()})
         console.print(f"json: {args.json}")
     return 0 if ok and (not args.recall or result.get("over_tau", 0) == 0) else 1

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
 
     from streamkv.lab.experiments.pareto import plot_pareto, plot_sinks, run_pareto
     from streamkv.lab.experiments.synthetic import GeneratorConfig
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         plot_sinks(result, sinks)
         result["plots"] = {"pareto": str(path), "sinks": str(sinks)}
         console.print(f"wrote {path} and {sinks}")
-    result["versions"] = versions()
+    result["versions"] = environment()
     write_json(args.json, result)
     if args.json:
         console.print(f"wrote {args.json}")

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from streamkv.lab.experiments.rollout_compare import compare_rollouts
     from streamkv.lab.commands._common import console as make_console
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
     from streamkv.lab.commands._rollout_report import plot_runs, print_tables, progress_bar
 
     console = make_console()
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             cache_kwargs=_cache_kwargs(args),
         )
     print_tables(console, result)
-    payload = {**result.to_json(), "versions": versions()}
+    payload = {**result.to_json(), "versions": environment()}
     write_json(args.json, payload)
     if args.json:
         console.print(f"wrote {args.json}")
@@ -77,7 +78,8 @@ def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], cons
     from rich.table import Table
 
     from streamkv.lab.experiments.cp_compare import compare_context_parallel
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
 
     if args.plot:
         raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
@@ -111,7 +113,7 @@ def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], cons
             f"single-process {single:,}"
         )
     console.print("parity bound: |diff| / scale <= 1e-5 (fp32)")
-    payload = {**result.to_json(), "versions": versions()}
+    payload = {**result.to_json(), "versions": environment()}
     write_json(args.json, payload)
     if args.json:
         console.print(f"wrote {args.json}")

@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
 
     from streamkv.lab.experiments.verify import default_layouts, run_verify
     from streamkv.lab.commands._common import console as make_console
-    from streamkv.lab.commands._common import versions, write_json
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
 
     console = make_console()
     dtype = getattr(torch, args.dtype)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         "attention_diff_kind": result.attention_diff_kind,
         "dtype": result.dtype,
         "seed": args.seed,
-        "versions": versions(),
+        "versions": environment(),
         "per_layout": result.per_layout,
     }
     write_json(args.json, payload)

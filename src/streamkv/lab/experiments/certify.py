@@ -1,21 +1,21 @@
 """The experiments behind ``streamkv certify``: certified rollouts, checked against the
 whole-history reference, on synthetic video Q/K/V and on the tiny DiT.
 
-Each rollout drives a certified cache (:mod:`streamkv.certify.cache`) chunk by chunk; at
-every attention step (layer x denoising pass) the cache certifies every query and the
+Each rollout drives a cache watched by a :class:`~streamkv.certify.Certifier` chunk by chunk;
+at every attention step (layer x denoising pass) the certifier certifies every query and the
 :class:`~streamkv.certify.shadow.HistoryCheck` computes the truth. Reported per step
 (chunk): rows checked, violations, true vs certified max error and mass, tightness
 (``m_hat / m``, median), recall traffic, memory split (kept K/V, summaries, offloaded K/V).
 
 - **synthetic**: :func:`~streamkv.lab.experiments.qkv.synthesize_qkv` (recency + keyframe
   sinks, 3D RoPE), the queries handed to the cache and attention exactly like the model
-  does (write, observe, attend, commit); one chunk per ``chunk_frames`` frames.
+  does (``update(k, v, q)``, attend, commit); one chunk per ``chunk_frames`` frames.
 - **dit**: the tiny causal DiT (random weights, seeded) in a
-  :class:`~streamkv.rollout.StreamingRollout` over a
-  :class:`~streamkv.certify.cache.CertifiedCacheSet`: 4 denoising passes + the clean pass
-  per chunk, every layer certified at every pass.
+  :class:`~streamkv.rollout.StreamingRollout` over a one-branch cache set with recall slots
+  and a certifier: 4 denoising passes + the clean pass per chunk, every layer certified at
+  every pass.
 
-Both run single-threaded (:func:`~streamkv.lab.experiments.pareto.single_thread`): thousands of
+Both run single-threaded (:func:`~streamkv.lab.env.threads`): thousands of
 tiny ops, where intra-op threads only add contention.
 """
 
@@ -30,13 +30,18 @@ from typing import Any
 
 import torch
 
-from streamkv.lab.experiments.pareto import single_thread
-from streamkv.lab.plotting import pyplot, save
-from streamkv.certify.cache import CERTIFIED_KINDS, CertifiedCacheSet, certified_attend
-from streamkv.certify.shadow import HistoryCheck, tightness_stats
+from streamkv.attention import attend
+from streamkv.caches import CacheSet, KVCache
+from streamkv.certify import Certifier, HistoryCheck
+from streamkv.certify.shadow import tightness_stats
+from streamkv.lab.env import threads
 from streamkv.lab.experiments.qkv import QKVConfig, synthesize_qkv
+from streamkv.lab.plotting import pyplot, save
 
-__all__ = ["SummaryOptions", "RunConfig", "run_synthetic", "run_dit", "run_certify", "plot_certify"]
+__all__ = ["SummaryOptions", "RunConfig", "run_synthetic", "run_dit", "run_certify", "plot_certify", "CACHES"]
+
+#: the cache kinds the experiment certifies
+CACHES = ("ring", "mass")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -70,29 +75,30 @@ class RunConfig:
     seed: int = 0
 
     def cache_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(self.summary.kwargs())
-        if self.cache == "mass":
-            kw["tau"] = self.budget_tau
-        if self.recall_tau is not None:
-            kw.update(recall_tau=self.recall_tau, recall_slots=self.recall_slots)
+        """The cache's policy parameters and recall slots."""
+        kw: dict[str, Any] = {"tau": self.budget_tau} if self.cache == "mass" else {}
+        kw["recall_slots"] = self.recall_slots if self.recall_tau is not None else 0
         return kw
 
+    def certifier_kwargs(self) -> dict[str, Any]:
+        return {**self.summary.kwargs(), "recall_tau": self.recall_tau}
 
-def _step_memory(cache) -> dict[str, Any]:
-    m = cache.memory()
+
+def _step_memory(cert: Certifier) -> dict[str, Any]:
+    m = cert.memory()
     return {k: m[k] for k in ("kept_kv_bytes", "recall_kv_bytes", "summary_bytes", "offloaded_kv_bytes",
                               "summarised_kv_bytes", "summary_bytes_ratio", "summary_blocks")}
 
 
-def _finish(name: str, run: RunConfig, mon: HistoryCheck, caches: list, steps_extra: list[dict], wall: float,
-            extra: dict[str, Any]) -> dict[str, Any]:
+def _finish(name: str, run: RunConfig, mon: HistoryCheck, caches: list[Certifier], steps_extra: list[dict],
+            wall: float, extra: dict[str, Any]) -> dict[str, Any]:
     res = mon.result()
     steps = mon.step_rows()
     for st, ex in zip(steps, steps_extra):
         st.update(ex)
     mem = [c.memory() for c in caches]
-    recall = {k: sum(c.recall_stats[k] for c in caches) for k in caches[0].recall_stats}
-    recall["peak_slots_used"] = max(c.recall_stats["peak_slots_used"] for c in caches)
+    recall = {k: sum(c.stats[k] for c in caches) for k in caches[0].stats}
+    recall["peak_slots_used"] = max(c.stats["peak_slots_used"] for c in caches)
     ratios = [s["summary_bytes_ratio"] for s in steps_extra if s.get("summarised_kv_bytes")]
     below = None  # first step from which the summary ratio stays <= 3%
     for st in reversed(steps_extra):
@@ -135,28 +141,27 @@ def run_synthetic(run: RunConfig, qkv: QKVConfig | None = None, *, sink_frames: 
     T = qkv.tokens_per_frame
     C, S, W = chunk_frames * T, sink_frames * T, window_frames * T
     B, H, D, Dv, L = qkv.batch, qkv.heads, qkv.head_dim, qkv.value_dim, qkv.layers
-    mon = HistoryCheck(check_storage=check_storage, tau=run.recall_tau if run.recall_tau is not None else run.tau)
-    cls = CERTIFIED_KINDS[run.cache]
-    cache = cls((B, S + W, H, D), (B, S + W, H, Dv), seq_dim=1, sink=S, window=W, chunk=C, num_layers=L,
-                monitor=mon, **run.cache_kwargs())
+    cache = KVCache((B, S + W, H, D), (B, S + W, H, Dv), policy=run.cache, seq_dim=1, sink=S, window=W, chunk=C,
+                    num_layers=L, **run.cache_kwargs())
+    cert = Certifier(cache, **run.certifier_kwargs())
+    mon = HistoryCheck(cert, check_storage=check_storage, tau=run.recall_tau if run.recall_tau is not None else run.tau)
     n_chunks = qkv.frames // chunk_frames
     extra_steps = []
     kernel_dev = torch.zeros((), dtype=torch.float64)
     for c in range(n_chunks):
-        before = cache.recall_stats["recalled_tokens"]
+        before = cert.stats["recalled_tokens"]
         cache.begin_chunk(c)
         for layer in range(L):
             q, k, v = stream.chunk(layer, c * C, C)
-            cache.write(k, v, layer=layer)
-            out, _, cert = certified_attend(q, cache.layer(layer))
+            out, _ = attend(q, cache.layer(layer).update(k, v, q))
             # the attention kernel (float32) against the certificate's float64 o_K: kernel rounding only
-            kernel_dev = torch.maximum(kernel_dev, (out.transpose(1, 2).double() - cert.out_kept).abs().amax())
+            kernel_dev = torch.maximum(kernel_dev, (out.transpose(1, 2).double() - cert.last[layer].out_kept).abs().amax())
         cache.commit_chunk(c)
-        extra_steps.append({"chunk": c, **_step_memory(cache),
-                            "recalled_tokens": cache.recall_stats["recalled_tokens"] - before})
+        extra_steps.append({"chunk": c, **_step_memory(cert),
+                            "recalled_tokens": cert.stats["recalled_tokens"] - before})
         if progress is not None:
             progress(c + 1, n_chunks)
-    return _finish("synthetic", run, mon, [cache], extra_steps, time.perf_counter() - t0, {
+    return _finish("synthetic", run, mon, [cert], extra_steps, time.perf_counter() - t0, {
         "generator": qkv.as_dict(),
         "layout": {"sink": S, "window": W, "chunk": C, "capacity": S + W},
         "kernel_vs_float64_max": float(kernel_dev),
@@ -174,21 +179,20 @@ def run_dit(run: RunConfig, *, config: str = "tiny", batch: int = 2, chunks: int
     cfg = get_config(config)
     model = CausalVideoDiT(cfg, seed=run.seed)
     chunks = cfg.max_chunks if chunks is None else chunks
-    mon = HistoryCheck(check_storage=check_storage, tau=run.recall_tau if run.recall_tau is not None else run.tau)
-    caches = CertifiedCacheSet(run.cache, branches=("cond",), monitors={"cond": mon}, **model.cache_kwargs(batch),
-                               **run.cache_kwargs())
+    caches = CacheSet(run.cache, model.cache_spec(batch), **run.cache_kwargs())
+    cert = Certifier(caches["cond"], **run.certifier_kwargs())
+    mon = HistoryCheck(cert, check_storage=check_storage, tau=run.recall_tau if run.recall_tau is not None else run.tau)
     ro = StreamingRollout(model, cache=caches, batch=batch, seed=run.seed)
     ro.set_prompt("a red kite over a grey sea")
-    cache = caches["cond"]
     extra_steps = []
     for c in range(chunks):
-        before = cache.recall_stats["recalled_tokens"]
+        before = cert.stats["recalled_tokens"]
         ro.generate_chunk()
-        extra_steps.append({"chunk": c, **_step_memory(cache),
-                            "recalled_tokens": cache.recall_stats["recalled_tokens"] - before})
+        extra_steps.append({"chunk": c, **_step_memory(cert),
+                            "recalled_tokens": cert.stats["recalled_tokens"] - before})
         if progress is not None:
             progress(c + 1, chunks)
-    return _finish("dit", run, mon, [cache], extra_steps, time.perf_counter() - t0, {
+    return _finish("dit", run, mon, [cert], extra_steps, time.perf_counter() - t0, {
         "model": {"config": config, "batch": batch, "chunks": chunks, "layers": cfg.layers, "heads": cfg.heads,
                   "head_dim": cfg.head_dim, "chunk_tokens": cfg.chunk_tokens, "sink_tokens": cfg.sink_tokens,
                   "window_tokens": cfg.window_tokens, "passes_per_chunk": 5},
@@ -204,8 +208,8 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
     ``tau`` is the recall threshold (with ``recall``) and the reference for the guarantee
     check; ``budget_tau`` is the mass cache's own eviction budget.
     """
-    if cache not in CERTIFIED_KINDS:
-        raise ValueError(f"cache must be one of {sorted(CERTIFIED_KINDS)}, got {cache!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {sorted(CACHES)}, got {cache!r}")
     from streamkv.budget.mass import check_tau
 
     tau = check_tau(tau)
@@ -217,7 +221,7 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
 
     dit_cfg = get_config("tiny")
     n_dit = dit_cfg.max_chunks if dit_chunks is None else dit_chunks
-    with single_thread():
+    with threads(1):
         # default hard capacity of the recall slots: the stream's whole history (per head), so
         # that the guarantee can always be met; the report says how much of it was used
         syn_run = replace(base, recall_slots=recall_slots if recall_slots is not None else qkv.tokens)

@@ -19,15 +19,13 @@ from typing import Any
 
 import torch
 
-from streamkv.layout import CacheLayout
+from streamkv.distributed import ContextParallel, check_split
+from streamkv.distributed.launcher import launch, rank_device
+from streamkv.lab.experiments.rollout_compare import stream_config, two_streams
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.rollout import Schedule, StreamingRollout
-from streamkv.distributed.group import ContextParallel, check_split
-from streamkv.distributed.launcher import launch, rank_device
 
 __all__ = ["CPCompareResult", "compare_context_parallel"]
-
-PROMPTS = (("a red fox running through snow", "blurry"), ("a sailing boat at dusk", "low quality"))
 
 
 @dataclass
@@ -68,17 +66,6 @@ class CPCompareResult:
         }
 
 
-def _streams(rollout: StreamingRollout, chunks: int, progress: Callable[[], None] | None = None) -> torch.Tensor:
-    outs = []
-    for i, (prompt, negative) in enumerate(PROMPTS):
-        rollout.set_prompt(prompt, negative if rollout.guidance > 1 else None, seed=1000 + i)
-        for _ in range(chunks if i == 0 else max(1, chunks // 2)):
-            outs.append(rollout.generate_chunk())
-            if progress is not None:
-                progress()
-    return torch.cat(outs, dim=2)
-
-
 def _run(
     cp: ContextParallel | None, kind: str, config: str, chunks: int, guidance: float, mode: str, device: str,
     seed: int, schedule: Schedule | None, cache_kwargs: dict[str, dict[str, Any]],
@@ -90,7 +77,7 @@ def _run(
         model, cache=kind, guidance=guidance, schedule=schedule, mode=mode, seed=seed, cp=cp,
         cache_kwargs=cache_kwargs[kind],
     )
-    out = _streams(rollout, chunks, progress).cpu()
+    out = two_streams(rollout, chunks, progress).cpu()
     return {
         "output": out,
         "cache_bytes": rollout.caches.nbytes,
@@ -152,15 +139,9 @@ def compare_context_parallel(
     per_rank = launch(_rank_runs, nproc, tuple(caches), *args, device=device)
     wall = time.perf_counter() - started
     first = per_rank[0]
-    layout = CacheLayout(sink=cfg.sink_tokens, window=cfg.window_tokens, chunk=cfg.chunk_tokens)
-    sched = schedule or Schedule()
     return CPCompareResult(
         config={
-            **cfg.to_dict(), "guidance": guidance, "mode": mode, "device": device, "seed": seed,
-            "timesteps": list(sched.timesteps), "shift": sched.shift,
-            "streams": [chunks, max(1, chunks // 2)],
-            "first_eviction_chunk": layout.first_eviction_chunk(),
-            "ring_wraps_first_stream": layout.ring_wraps(chunks * cfg.chunk_tokens),
+            **stream_config(cfg, chunks, guidance=guidance, mode=mode, device=device, seed=seed, schedule=schedule),
             "parallelism": "ulysses (head-sharded attention, per-rank caches of heads / world_size)",
             "launch_wall_s": wall, "cache_kwargs": kwargs,
         },

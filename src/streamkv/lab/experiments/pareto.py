@@ -28,10 +28,8 @@ evict before seeing later queries is a separate experiment.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +38,12 @@ import torch
 
 from streamkv.budget.mass import check_tau
 from streamkv.budget.oracles import FixedWindow, PerQueryMass
+from streamkv.lab.env import threads
 from streamkv.lab.plotting import pyplot, save
 from streamkv.lab.experiments.synthetic import GeneratorConfig, RolloutResult, SyntheticStream, evaluate, synthesize
 
 __all__ = [
     "ParetoConfig",
-    "single_thread",
     "sink_mass_share",
     "tau_sweep",
     "pareto_curves",
@@ -84,21 +82,6 @@ class ParetoConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch single-threaded inside the block (restored after).
-
-    The rollouts are thousands of tiny ops; on a small shared CPU, intra-op threads
-    only add synchronisation (measured ~100x slower on a loaded 2-core machine).
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def sink_mass_share(stream: SyntheticStream) -> dict[str, float]:
@@ -302,7 +285,7 @@ def run_pareto(gen: GeneratorConfig | None = None, config: ParetoConfig | None =
     falsifiers checked (for callers that want the per-query records)."""
     gen = GeneratorConfig() if gen is None else gen
     config = ParetoConfig() if config is None else config
-    with single_thread():
+    with threads(1):
         stream = synthesize(gen, seed)
         sweep, sweep_runs = tau_sweep(stream, config.taus)
         pareto, curve_runs = pareto_curves(stream, config.windows, config.curve_taus)

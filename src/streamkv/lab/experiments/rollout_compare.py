@@ -14,7 +14,6 @@ chunk of a second run of the same stream.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median
@@ -26,8 +25,9 @@ from streamkv.layout import CacheLayout
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.rollout import Schedule, StreamingRollout
 
-__all__ = ["CacheRun", "CompareResult", "compare_rollouts"]
+__all__ = ["CacheRun", "CompareResult", "compare_rollouts", "two_streams", "stream_config", "PROMPTS"]
 
+#: The two prompts of every compared stream (a reset between them).
 PROMPTS = (("a red fox running through snow", "blurry"), ("a sailing boat at dusk", "low quality"))
 
 
@@ -78,7 +78,7 @@ class CompareResult:
         return out
 
 
-def _streams(rollout: StreamingRollout, chunks: int, progress: Callable[[], None] | None) -> torch.Tensor:
+def two_streams(rollout: StreamingRollout, chunks: int, progress: Callable[[], None] | None = None) -> torch.Tensor:
     """Two streams: ``chunks`` chunks of the first prompt, then a reset and ``chunks // 2``
     of the second; the same noise seeds for every cache."""
     outs = []
@@ -130,7 +130,7 @@ def compare_rollouts(
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         tick = (lambda: progress(kind)) if progress is not None else None
-        outputs[kind] = _streams(rollout, chunks, tick)
+        outputs[kind] = two_streams(rollout, chunks, tick)
         stats = rollout.stats
         cache_bytes = rollout.caches.nbytes
         if dev.type == "cuda":
@@ -149,26 +149,32 @@ def compare_rollouts(
             peak = param_bytes + cache_bytes + cross_bytes + transient.peak_bytes
         else:
             peak = 0
-        report = getattr(rollout.caches["cond"], "report", None)
+        cond = rollout.caches["cond"]
         runs[kind] = CacheRun(
             kind, stats.per_chunk_latency_ms(), stats.maintenance_per_step_ms(),
             [c.chunk >= first_eviction for c in stats.chunks], int(peak), cache_bytes,
-            retains_window=type(rollout.caches["cond"]).retains_window,
-            extra=report() if report is not None else {},
+            retains_window=cond.retains_window, extra={} if cond.retains_window else cond.report(),
         )
     first = caches[0]
     ref = outputs[first]
     scale = float(ref.abs().max())
     diffs = {k: float((outputs[k] - ref).abs().max()) for k in caches[1:]}
-    layout = CacheLayout(sink=cfg.sink_tokens, window=cfg.window_tokens, chunk=cfg.chunk_tokens)
-    sched = schedule or Schedule()
     return CompareResult(
-        config={
-            **cfg.to_dict(), "guidance": guidance, "mode": mode, "device": str(dev), "seed": seed,
-            "timesteps": list(sched.timesteps), "shift": sched.shift,
-            "streams": [chunks, max(1, chunks // 2)],
-            "first_eviction_chunk": layout.first_eviction_chunk(),
-            "ring_wraps_first_stream": layout.ring_wraps(chunks * cfg.chunk_tokens),
-        },
+        config=stream_config(cfg, chunks, guidance=guidance, mode=mode, device=str(dev), seed=seed,
+                             schedule=schedule),
         chunks=chunks, runs=runs, max_abs_diff=diffs, output_scale=scale,
     )
+
+
+def stream_config(cfg, chunks: int, *, guidance: float, mode: str, device: str, seed: int,
+                  schedule: Schedule | None) -> dict[str, Any]:
+    """The configuration record of :func:`two_streams` runs (JSON)."""
+    layout = CacheLayout(sink=cfg.sink_tokens, window=cfg.window_tokens, chunk=cfg.chunk_tokens)
+    sched = schedule or Schedule()
+    return {
+        **cfg.to_dict(), "guidance": guidance, "mode": mode, "device": device, "seed": seed,
+        "timesteps": list(sched.timesteps), "shift": sched.shift,
+        "streams": [chunks, max(1, chunks // 2)],
+        "first_eviction_chunk": layout.first_eviction_chunk(),
+        "ring_wraps_first_stream": layout.ring_wraps(chunks * cfg.chunk_tokens),
+    }

@@ -100,8 +100,8 @@ class LayoutResult:
 def physical_attention(q: Tensor, cache: KVCache) -> Tensor:
     """SDPA over the cache's occupied slots as they lie in memory (no gather)."""
     seq = cache.seq_dim
-    k = cache.valid_keys().movedim(seq, -2)
-    v = cache.valid_values().movedim(seq, -2)
+    k = cache.keys().narrow(seq, 0, cache.num_valid).movedim(seq, -2)
+    v = cache.values().narrow(seq, 0, cache.num_valid).movedim(seq, -2)
     return F.scaled_dot_product_attention(q, k, v)
 
 
