@@ -124,7 +124,7 @@ def check_rollouts(device: torch.device, quick: bool) -> dict:
 def bench_maintenance(device: torch.device, quick: bool) -> dict:
     """Per-step maintenance of every cache at a preset, timed with CUDA events (the bench's
     instruments), plus transient allocations of a steady ring step."""
-    from streamkv.bench import PRESETS, measure_maintenance
+    from streamkv.lab.bench import PRESETS, measure_maintenance
 
     preset = PRESETS["small" if quick else "self-forcing"]
     r = measure_maintenance(preset, device, repeats=10 if quick else 50)

@@ -34,8 +34,8 @@ def _snap(value: Any, seen: set[int]) -> Any:
         return ("seq", type(value).__name__, [_snap(v, seen) for v in value])
     if isinstance(value, dict):
         return ("dict", {k: _snap(v, seen) for k, v in value.items()})
-    if callable(value):
-        return ("callable", id(value))
+    if callable(value) or hasattr(value, "__dict__"):
+        return ("identity", id(value))  # functions and foreign objects: the same one
     return ("value", copy.deepcopy(value))
 
 

@@ -17,8 +17,9 @@ import torch
 import torch._dynamo.testing
 
 from streamkv import CacheSet
-from streamkv.distributed import ContextParallel, check_split, compare_context_parallel, launch
+from streamkv.distributed import ContextParallel, check_split, launch
 from streamkv.lab.experiments import cp_compare
+from streamkv.lab.experiments.cp_compare import compare_context_parallel
 from streamkv.layout import CacheLayout
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.models.config import DiTConfig
@@ -218,7 +219,7 @@ def test_heads_not_divisible_by_the_world_size(model):
     with pytest.raises(ValueError, match=r"heads \(4\) must be divisible by the world size \(3\)"):
         StreamingRollout(model, cache="ring", cp=cp)
     with pytest.raises(ValueError, match=r"heads \(4\) must be divisible by the world size \(3\)"):
-        model.cache_kwargs(1, world_size=3)
+        model.cache_spec(1, world_size=3)
 
 
 def test_chunk_tokens_not_divisible_by_the_world_size():
@@ -238,7 +239,7 @@ def test_graph_mode_with_more_than_one_rank_is_refused(model):
 
 
 def test_a_cache_with_every_head_is_rejected_under_context_parallelism(model):
-    full = CacheSet("ring", branches=("cond",), **model.cache_kwargs(1))
+    full = CacheSet("ring", model.cache_spec(1))
     with pytest.raises(ValueError, match=r"k_shape=\(1, 96, 4, 16\) \(model needs \(1, 96, 2, 16\)\)"):
         StreamingRollout(model, cache=full, cp=ContextParallel(world_size=2, rank=0))
 

@@ -67,21 +67,24 @@ def test_caches_match_reference_every_call(g):
             before = ring.keys().clone()
             for x in (ring, chron, ref):
                 x.write(k, v)
-            _movement_check(ring, before, set(ring.write_slots.tolist()))
+            _movement_check(ring, before, set(ring.write_slots[0, 0].tolist()))
             rk, rv = ref.chronological_keys(), ref.chronological_values()
             q = torch.randn(k.movedim(seq, -2).shape, generator=gen, dtype=torch.float64)
             want = reference_attention(q, rk.movedim(seq, -2), rv.movedim(seq, -2))
             for cache in (ring, chron):
                 assert torch.equal(cache.chronological_keys(), rk)
                 assert torch.equal(cache.chronological_values(), rv)
+                n = cache.num_valid
                 got = F.scaled_dot_product_attention(
-                    q, cache.valid_keys().movedim(seq, -2), cache.valid_values().movedim(seq, -2)
+                    q, cache.keys().narrow(seq, 0, n).movedim(seq, -2), cache.values().narrow(seq, 0, n).movedim(seq, -2)
                 )
                 assert (got - want).abs().max().item() < 1e-12
         for cache in (ring, chron):
             assert (cache.keys().data_ptr(), cache.values().data_ptr()) == ptrs[id(cache)]
             # the device position tensor agrees with the host arithmetic
-            pos = cache.slot_positions.tolist()
+            assert cache.slot_positions.shape == (1, cache.storage.heads, cache.layout.capacity)
+            assert (cache.slot_positions == cache.slot_positions[0, 0]).all()  # one plan, broadcast
+            pos = cache.slot_positions[0, 0].tolist()
             held = sorted(p for p in pos if p >= 0)
             assert held == sorted(cache.layout.retained_positions(cache.end))
             assert all(p == -1 for p in pos[cache.num_valid :])
@@ -110,7 +113,7 @@ def test_ring_write_paths_are_bit_exact(dtype, k_dim):
     kw = dict(seq_dim=1, sink=g.sink, window=g.window, chunk=g.chunk, dtype=dtype)
     ring = RingCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
     chron = ChronologicalCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
-    assert (ring._k_wide is not None) == (k_dim * torch.finfo(dtype).bits // 8 % 8 == 0)
+    assert (ring.storage._k_wide is not None) == (k_dim * torch.finfo(dtype).bits // 8 % 8 == 0)
     gen = torch.Generator().manual_seed(0)
     for c in range(3 * cap // g.chunk):
         k = torch.randn(2, g.chunk, 3, k_dim, generator=gen).to(dtype)
@@ -124,4 +127,4 @@ def test_ring_write_paths_are_bit_exact(dtype, k_dim):
     wide = torch.randn(2, g.chunk, 3, 2 * k_dim, generator=gen).to(dtype)[..., ::2]
     ring.begin_chunk(c + 1)
     ring.write(wide, wide)
-    assert torch.equal(ring.keys().index_select(1, ring.write_slots), wide)
+    assert torch.equal(ring.keys().index_select(1, ring.write_slots[0, 0]), wide)

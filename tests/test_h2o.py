@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from streamkv.attention import attend
+
 from streamkv.caches import CACHE_KINDS, CacheSet, H2OCache
 
 S, W, C, H, D, B = 2, 14, 3, 3, 4, 2
@@ -36,8 +38,7 @@ def test_keeps_exactly_its_budget_with_the_highest_accumulated_scores(budget):
     evicted_any = False
     for c, (k, v, q) in enumerate(_chunks(14, seed=budget)):
         cache.begin_chunk(c)
-        cache.write(k, v)
-        cache.observe_queries(q)
+        attend(q, cache.update(k, v, q))
         for i in range(C):
             keys[c * C + i] = k[:, i]
         resident = _positions(cache)
@@ -75,8 +76,7 @@ def test_heads_diverge_and_nothing_moves():
     for c, (k, v, q) in enumerate(_chunks(10, seed=7)):
         cache.begin_chunk(c)
         before = cache.slot_positions[0].clone()
-        cache.write(k, v)
-        cache.observe_queries(q)
+        attend(q, cache.update(k, v, q))
         cache.commit_chunk(c)
         after = cache.slot_positions[0]
         still = (before >= 0) & (after >= 0)
@@ -103,7 +103,7 @@ def test_budget_type_and_default():
 def test_registered_and_in_a_cacheset():
     assert CACHE_KINDS["h2o"] is H2OCache
     cs = CacheSet("h2o", k_shape=(1, S + W, H, D), v_shape=(1, S + W, H, D), seq_dim=1, sink=S, window=W, chunk=C,
-                  num_layers=2, budget=S + C + 1)
+                  num_layers=2, budget=S + C + 1, branches=("cond", "uncond"))
     assert isinstance(cs["cond"], H2OCache) and cs["uncond"].accumulated.shape == (2, H, S + W)
 
 
@@ -112,16 +112,14 @@ def test_state_dict_resumes_identically_and_reset_clears_scores():
     chunks = _chunks(10, seed=3)
     for c in range(5):
         a.begin_chunk(c)
-        a.write(*chunks[c][:2])
-        a.observe_queries(chunks[c][2])
+        attend(chunks[c][2], a.update(*chunks[c][:2], chunks[c][2]))
         a.commit_chunk(c)
     b.load_state_dict({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.state_dict().items()})
     assert torch.equal(a.accumulated, b.accumulated)
     for cache in (a, b):
         for c in range(5, 10):
             cache.begin_chunk(c)
-            cache.write(*chunks[c][:2])
-            cache.observe_queries(chunks[c][2])
+            attend(chunks[c][2], cache.update(*chunks[c][:2], chunks[c][2]))
             cache.commit_chunk(c)
     assert torch.equal(a.slot_positions, b.slot_positions) and torch.equal(a.accumulated, b.accumulated)
     assert a.accumulated.abs().sum() > 0

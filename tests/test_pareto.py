@@ -14,7 +14,8 @@ import torch
 
 from streamkv.budget import FixedWindow, Full, PerQueryMass
 from streamkv.lab.cli import main
-from streamkv.lab.experiments.pareto import _interp_log, falsifiers, run_pareto, single_thread
+from streamkv.lab.env import threads
+from streamkv.lab.experiments.pareto import _interp_log, falsifiers, run_pareto
 from streamkv.lab.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
 
 F64 = torch.float64
@@ -162,7 +163,7 @@ def test_sink_boost_zero_means_no_sinks():
 
 def test_full_and_huge_window_are_exact():
     s = synthesize(GeneratorConfig(frames=10, keyframes=(0,)), 0)
-    with single_thread():
+    with threads(1):
         full = evaluate(s, Full())
         win = evaluate(s, FixedWindow(10_000))
     tol = 4 * s.config.tokens * EPS * float(s.values.abs().max())
@@ -173,7 +174,7 @@ def test_full_and_huge_window_are_exact():
 
 def test_window_cache_size_and_tau_bookkeeping():
     s = synthesize(GeneratorConfig(frames=10, keyframes=(0,)), 0)
-    with single_thread():
+    with threads(1):
         w = evaluate(s, FixedWindow(20, sinks=3))
         m = evaluate(s, PerQueryMass(0.1))
     n = torch.tensor([f * 8 for f in range(1, 10) for _ in range(8)])
@@ -199,7 +200,7 @@ def test_evaluator_rejects_bad_attention():
     nan_values = replace(s, values=s.values.clone().index_fill_(0, torch.tensor([5]), float("inf")))
     with pytest.raises(ValueError, match=r"stream values must be finite: found inf at index \(5, 0\)"):
         evaluate(nan_values, FixedWindow(4))
-    with pytest.raises(TypeError, match="policy must be a Policy, got float"):
+    with pytest.raises(TypeError, match="policy must be an Oracle, got float"):
         evaluate(s, 0.1)
     with pytest.raises(TypeError, match="stream must be a SyntheticStream, got dict"):
         evaluate({}, Full())

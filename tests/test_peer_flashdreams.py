@@ -74,7 +74,8 @@ def test_matches_block_kv_cache(BlockKVCache, layout, ops, seed):
             ring.update(k, v)
             chron.write(k, v)
             want_k, want_v = fd.cached_k(), fd.cached_v()
-            assert torch.equal(chron.valid_keys(), want_k) and torch.equal(chron.valid_values(), want_v)
+            n = chron.num_valid
+            assert torch.equal(chron.keys().narrow(1, 0, n), want_k) and torch.equal(chron.values().narrow(1, 0, n), want_v)
             assert torch.equal(ring.ring.chronological_keys(), want_k)
             assert torch.equal(ring.ring.chronological_values(), want_v)
             q = torch.randn(1, H, chunk, D, generator=gen)

@@ -7,19 +7,19 @@ import math
 import pytest
 import torch
 
-from streamkv.caches import H2OCache, MassBudgetCache, RingCache
-from streamkv.lab.cli import main
+from streamkv.attention import attend
+from streamkv.caches import KVCache
 from streamkv.lab.budget import (
-    RecordingMass,
+    Recorder,
     SyntheticHeads,
     matched_h2o_budget,
     matched_ring_window,
-    recording,
     run_dit_cache,
     run_synthetic_cache,
     summarize,
     synthetic_qkv,
 )
+from streamkv.lab.cli import main
 
 S, C, H, D, DV, B = 2, 3, 2, 4, 5, 2
 f64 = torch.float64
@@ -37,13 +37,16 @@ def _stream(chunks, seed, layers=1, scale=2.0):
     return out
 
 
-def _make(cls, window, layout, layers, **kw):
+def _make(kind, window, layout, layers, oracle_taus=(), **kw):
+    """A cache of ``kind`` and the recorder observing it."""
     cap = S + window
     if layout == "bthd":
         shapes, seq = ((B, cap, H, D), (B, cap, H, DV)), 1
     else:
         shapes, seq = ((B, H, cap, D), (B, H, cap, DV)), 2
-    return recording(cls)(*shapes, seq_dim=seq, sink=S, window=window, chunk=C, num_layers=layers, dtype=f64, **kw)
+    cache = KVCache(*shapes, policy=kind, seq_dim=seq, sink=S, window=window, chunk=C, num_layers=layers, dtype=f64,
+                    **kw)
+    return cache, Recorder(cache, oracle_taus=oracle_taus)
 
 
 def _heads_positions(cache, layer):
@@ -64,8 +67,7 @@ def _drive(cache, data, layout):
             qc, kc, vc = q[:, sl], k[:, sl], v[:, sl]
             if layout == "bhtd":
                 qc, kc, vc = (x.transpose(1, 2).contiguous() for x in (qc, kc, vc))
-            cache.write(kc, vc, layer=layer)
-            cache.observe_queries(qc, layer=layer)
+            attend(qc, cache.layer(layer).update(kc, vc, qc))
         pre = [_heads_positions(cache, layer) for layer in range(len(data))]
         cache.commit_chunk(c)
         post = [_heads_positions(cache, layer) for layer in range(len(data))]
@@ -99,22 +101,23 @@ def _greedy_oracle(p_row, n, tau, chunk_start):
 
 
 CASES = [
-    (MassBudgetCache, 10, "bthd", 2, dict(tau=0.2, oracle_taus=(0.2,))),
-    (MassBudgetCache, 9, "bhtd", 1, dict(tau=0.1)),
-    (RingCache, 7, "bhtd", 1, dict()),
-    (H2OCache, 12, "bthd", 2, dict(budget=S + C + 3)),
+    ("mass", 10, "bthd", 2, dict(tau=0.2, oracle_taus=(0.2,))),
+    ("mass", 9, "bhtd", 1, dict(tau=0.1)),
+    ("ring", 7, "bhtd", 1, dict()),
+    ("h2o", 12, "bthd", 2, dict(budget=S + C + 3)),
+    ("tova", 12, "bthd", 1, dict(budget=S + C + 3)),
 ]
 
 
-@pytest.mark.parametrize("cls,window,layout,layers,kw", CASES, ids=lambda x: getattr(x, "__name__", None))
-def test_records_match_independent_full_matrix_computation(cls, window, layout, layers, kw):
+@pytest.mark.parametrize("kind,window,layout,layers,kw", CASES)
+def test_records_match_independent_full_matrix_computation(kind, window, layout, layers, kw):
     chunks = 9
     data = _stream(chunks, seed=window + layers, layers=layers)
-    cache = _make(cls, window, layout, layers, **kw)
+    cache, recorder = _make(kind, window, layout, layers, **kw)
     seen = _drive(cache, data, layout)
-    assert [(r.chunk, r.layer) for r in cache.records] == [(c, l) for c in range(chunks) for l in range(layers)]
+    assert [(r.chunk, r.layer) for r in recorder.records] == [(c, l) for c in range(chunks) for l in range(layers)]
     evicted = 0
-    for rec in cache.records:
+    for rec in recorder.records:
         c, layer = rec.chunk, rec.layer
         q, k, v = data[layer]
         end = (c + 1) * C
@@ -164,8 +167,8 @@ def test_records_match_independent_full_matrix_computation(cls, window, layout, 
     assert evicted > 0
     # the shadow holds exactly the stream
     for layer, (q, k, v) in enumerate(data):
-        torch.testing.assert_close(cache._hk[layer], k.transpose(1, 2), rtol=0, atol=0)
-        torch.testing.assert_close(cache._hv[layer], v.transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(recorder._hk[layer], k.transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(recorder._hv[layer], v.transpose(1, 2), rtol=0, atol=0)
 
 
 def _checked(records, tau):
@@ -182,34 +185,34 @@ def _checked(records, tau):
 @pytest.mark.parametrize("tau,scale,seed", [(0.3, 2.0, 1), (0.1, 3.0, 2), (0.02, 4.0, 3)])
 def test_scoring_queries_keep_their_mass_and_stay_within_the_bound(tau, scale, seed):
     data = _stream(14, seed=seed, layers=2, scale=scale)
-    cache = _make(MassBudgetCache, 15, "bthd", 2, tau=tau)
+    cache, recorder = _make("mass", 15, "bthd", 2, tau=tau)
     _drive(cache, data, "bthd")
-    km, err, bound = _checked(cache.records, tau)
-    assert km.numel() > 0 and sum(int(r.evicted.sum()) for r in cache.records) > 0
+    km, err, bound = _checked(recorder.records, tau)
+    assert km.numel() > 0 and sum(int(r.evicted.sum()) for r in recorder.records) > 0
     assert (km >= 1 - tau).all()
     assert (err <= bound).all()
-    s = summarize(cache.records)
+    s = summarize(recorder.records)
     assert s["scoring"]["within_bound"] and s["scoring"]["violations"] == 0
     assert s["scoring"]["checked"] == km.numel()
     # the check can fail: the same records read against a budget 10x tighter violate it
     tight = tau / 10
-    for r in cache.records:
+    for r in recorder.records:
         r.tau = tight
     want = sum(int((((r.err_evict > tight * r.range_resident) | (r.kept_mass_evict < 1 - tight))
-                    & ~r.overflow.unsqueeze(-1)).sum()) for r in cache.records)
-    s = summarize(cache.records)["scoring"]
+                    & ~r.overflow.unsqueeze(-1)).sum()) for r in recorder.records)
+    s = summarize(recorder.records)["scoring"]
     assert want > 0 and s["violations"] == want and not s["within_bound"]
 
 
 def test_overflow_steps_are_flagged_and_excluded():
     data = _stream(8, seed=5, layers=1, scale=0.1)  # diffuse attention: tau frees almost nothing
-    cache = _make(MassBudgetCache, 2 * C, "bthd", 1, tau=0.01)
+    cache, recorder = _make("mass", 2 * C, "bthd", 1, tau=0.01)
     _drive(cache, data, "bthd")
-    flagged = [r for r in cache.records if r.overflow.any()]
+    flagged = [r for r in recorder.records if r.overflow.any()]
     assert flagged
     assert min(float(r.kept_mass_evict[r.overflow].min()) for r in flagged) < 1 - 0.01
-    s = summarize(cache.records)
-    assert s["overflow_steps"] == sum(int(r.overflow.sum()) for r in cache.records)
+    s = summarize(recorder.records)
+    assert s["overflow_steps"] == sum(int(r.overflow.sum()) for r in recorder.records)
     assert s["scoring"]["within_bound"]
 
 
@@ -223,11 +226,11 @@ def test_synthetic_heads_guarantee_and_oracle_dominance():
     s0 = synthesize(spec.configs()[0], 0)
     torch.testing.assert_close(qkv[0][:, 0] @ qkv[1][:, 0].T / math.sqrt(n), s0.logits, rtol=0, atol=1e-12)
     tau = 0.05
-    cache = run_synthetic_cache(MassBudgetCache, qkv, sink=2, window=256, chunk=8, tau=tau, oracle_taus=(tau,))
-    km, err, bound = _checked(cache.records, tau)
+    rec = run_synthetic_cache("mass", qkv, sink=2, window=256, chunk=8, tau=tau, oracle_taus=(tau,))
+    km, err, bound = _checked(rec.records, tau)
     assert km.numel() == (n // 8) * 8 * 4 and (km >= 1 - tau).all() and (err <= bound).all()
-    _assert_oracle_dominates(cache.records, tau)
-    s = summarize(cache.records)
+    _assert_oracle_dominates(rec.records, tau)
+    s = summarize(rec.records)
     assert s["oracle"][tau]["within_bound"]
 
 
@@ -246,38 +249,39 @@ def _assert_oracle_dominates(records, tau):
     assert compared > 0
 
 
-def test_tiny_dit_through_the_rollout_with_a_prebuilt_recording_cacheset():
+def test_tiny_dit_through_the_rollout_with_a_recorder():
     tau = 0.1
-    cache = run_dit_cache(MassBudgetCache, chunks=6, window_frames=6, tau=tau, oracle_taus=(tau,))
-    assert isinstance(cache, RecordingMass)
-    assert len(cache.records) == 6 * cache.num_layers
-    km, err, bound = _checked(cache.records, tau)
+    rec = run_dit_cache("mass", chunks=6, window_frames=6, tau=tau, oracle_taus=(tau,))
+    cache = rec.cache
+    assert len(rec.records) == 6 * cache.num_layers
+    km, err, bound = _checked(rec.records, tau)
     assert (km >= 1 - tau).all() and (err <= bound).all()
-    _assert_oracle_dominates(cache.records, tau)
+    _assert_oracle_dominates(rec.records, tau)
     # the shadow agrees with every resident slot of the live cache
     for layer in range(cache.num_layers):
         pos, keys = cache.layer_slot_positions(layer), cache.keys(layer)  # [H, cap], [B, cap, H, D]
         for h in range(pos.shape[0]):
             for s in range(pos.shape[1]):
                 if pos[h, s] >= 0:
-                    assert torch.equal(cache._hk[layer][0, h, int(pos[h, s])], keys[0, s, h].double())
-    ring = run_dit_cache(RingCache, chunks=6)
+                    assert torch.equal(rec._hk[layer][0, h, int(pos[h, s])], keys[0, s, h].double())
+    ring = run_dit_cache("ring", chunks=6)
     s = summarize(ring.records)
-    assert s["memory"]["peak"] == ring.layout.capacity and s["scoring"].get("within_bound") is None
+    assert s["memory"]["peak"] == ring.cache.layout.capacity and s["scoring"].get("within_bound") is None
 
 
-def test_commit_without_queries_refuses_and_changes_nothing():
-    cache = _make(MassBudgetCache, 10, "bthd", 1, tau=0.2)
+@pytest.mark.parametrize("kind", ["mass", "ring"])
+def test_commit_without_queries_refuses_and_changes_nothing(kind):
+    cache, rec = _make(kind, 10, "bthd", 1, **({"tau": 0.2} if kind == "mass" else {}))
     (q, k, v), = _stream(2, seed=9)
     cache.begin_chunk(0)
-    cache.write(k[:, :C], v[:, :C])
+    attend(q[:, :C], cache.update(k[:, :C], v[:, :C]))  # attention, but the recorder never saw the queries
     pos = cache.slot_positions.clone()
-    with pytest.raises(RuntimeError, match=r"no queries observed for chunk 0 in layer\(s\) \[0\]"):
+    with pytest.raises(RuntimeError, match=r"recorder: no queries for chunk 0 in layer\(s\) \[0\]"):
         cache.commit_chunk(0)
-    assert torch.equal(pos, cache.slot_positions) and cache.records == [] and cache.open_chunk == 0
-    cache.observe_queries(q[:, :C])
+    assert torch.equal(pos, cache.slot_positions) and rec.records == [] and cache.open_chunk == 0
+    cache.update(k[:, :C], v[:, :C], q[:, :C])
     cache.commit_chunk(0)
-    assert len(cache.records) == 1
+    assert len(rec.records) == 1
 
 
 def test_matched_baselines_are_the_closest():

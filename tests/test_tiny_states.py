@@ -22,7 +22,7 @@ def _step(cache, c, value_offset=0.0):
 
 
 def _buf(cache):
-    valid = cache.slot_positions.tolist()
+    valid = cache.slot_positions[0, 0].tolist()
     keys = cache.keys().flatten().tolist()
     return [int(k) if p >= 0 else "." for k, p in zip(keys, valid)]
 
@@ -46,8 +46,8 @@ def test_ring_sink2_window4_chunk3():
     for c, buf in enumerate(expected):
         _step(ring, c)
         assert _buf(ring) == buf
-        assert [int(p) for p in ring.slot_positions.tolist() if p >= 0] == [b for b in buf if b != "."]
-    assert ring.write_slots.tolist() == [4, 5, 2]  # chunk 4 = positions 12, 13, 14
+        assert [int(p) for p in ring.slot_positions[0, 0].tolist() if p >= 0] == [b for b in buf if b != "."]
+    assert ring.write_slots[0, 0].tolist() == [4, 5, 2]  # chunk 4 = positions 12, 13, 14
     assert ring.chronological_keys().flatten().tolist() == [0, 1, 11, 12, 13, 14]
 
 
@@ -97,7 +97,7 @@ def test_ring_reset_keeps_the_buffer_and_starts_over():
     for c in range(3):
         _step(ring, c)
     ring.reset()
-    assert ring.num_valid == 0 and ring.slot_positions.tolist() == [-1] * 6
+    assert ring.num_valid == 0 and ring.slot_positions[0, 0].tolist() == [-1] * 6
     _step(ring, 0)
     assert _buf(ring) == [0, 1, 2, ".", ".", "."]
     assert ring.keys().data_ptr() == ptr
@@ -117,4 +117,4 @@ def test_ring_unaligned_sink1_window5_chunk2():
         _step(ring, c)
         if c in want:
             assert _buf(ring) == want[c]
-    assert ring.write_slots.tolist() == [5, 1]
+    assert ring.write_slots[0, 0].tolist() == [5, 1]

@@ -138,6 +138,7 @@ class KVCache:
         st = self.storage
         self.k_shape, self.v_shape, self.seq_dim, self.head_dim = st.k_shape, st.v_shape, st.seq_dim, st.head_dim
         self.num_layers, self.dtype, self.device = st.num_layers, st.dtype, st.device
+        self._inference_buffers = st.keys.is_inference()  # torch lets them change only in inference mode
         # positions of the open (or last) chunk's rows, on the device: causal masks read them
         self._arange_c = torch.arange(layout.chunk, dtype=torch.long, device=st.device)
         self._chunk_positions = self._arange_c.clone()
@@ -474,21 +475,29 @@ class KVCache:
         return None
 
     def _read(self, layer: int, occupancy: Occupancy) -> KVRead:
+        if torch.compiler.is_compiling():
+            # a traced step must not read the host counters (each value would be a guard, and
+            # a recompilation per chunk): only what stays the same from chunk to chunk
+            return self._make_read(layer, occupancy, traced=True)
         read = self._reads.get((layer, occupancy))
         if read is None:
             read = self._reads[(layer, occupancy)] = self._make_read(layer, occupancy)
         return read
 
-    def _make_read(self, layer: int, occupancy: Occupancy) -> KVRead:
+    def _make_read(self, layer: int, occupancy: Occupancy, traced: bool = False) -> KVRead:
         st = self.storage
-        visible = self.layout.num_valid(self.end) if occupancy == "prefix" else st.slots
+        if occupancy == "prefix" and traced:
+            raise ValueError("occupancy 'prefix' has a data-dependent shape: compiled steps read with 'all' or 'mask'")
+        visible = self.layout.num_valid(self._end) if occupancy == "prefix" else st.slots
         refusal = self.chronological_refusal
-        chrono = None if refusal else partial(self._chronological, layer)
+        chrono = None if refusal or traced else partial(self._chronological, layer)
         return KVRead(
             keys=st.keys[layer], values=st.values[layer], seq_dim=st.seq_dim, head_axis=st.head_axis,
             positions=st.layer_positions(layer), occupancy=occupancy, visible=visible,
-            query_positions=self._chunk_positions[: self._span] if self._open else None, empty=self._end == 0,
-            num_retained=None if chrono is None else self.layout.num_valid(self.end), chronological=chrono, chronological_refusal=refusal,
+            query_positions=self._chunk_positions[: self._span] if self._open else None,
+            empty=False if traced else self._end == 0,
+            num_retained=None if chrono is None else self.layout.num_valid(self._end), chronological=chrono,
+            chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
             bias_fn=st.bias, name=f"{self.name} cache layer {layer}",
         )
@@ -680,7 +689,9 @@ class KVCache:
 
     # ============================================================ validation
     def _check_mutable(self, what: str) -> None:
-        if self.storage.keys.is_inference() and not torch.is_inference_mode_enabled():
+        if torch.compiler.is_compiling():
+            return  # a compiled step was traced after the same checks ran eagerly
+        if self._inference_buffers and not torch.is_inference_mode_enabled():
             raise RuntimeError(
                 f"{what}: this cache was built under torch.inference_mode(), so its buffers are inference tensors "
                 f"that torch only lets change inside inference mode; call it under torch.inference_mode() (or build "

@@ -106,7 +106,8 @@ class ScoredPolicy(SlotPolicy):
         # 1 once update(k, v, q) stored queries since then (device flags: graph-safe)
         self._fresh = torch.zeros(L, dtype=torch.int8, device=dev)
         self._has_queries = torch.zeros(L, dtype=torch.int8, device=dev)
-        self._queries: Tensor | None = None  # [L, *q chunk shape], allocated by the first update(q)
+        # [L, *q rows shape]; reallocated only if queries of another shape arrive (grouped heads, spans)
+        self._queries = torch.zeros((L, *storage.chunk_shape("k")), dtype=storage.dtype, device=dev)
         self.overflows = torch.zeros((L, H), dtype=torch.long, device=dev)
         self.evictions = torch.zeros((L, H), dtype=torch.long, device=dev)
         self.dropped_mass_bound = torch.zeros((L, H), dtype=torch.float64, device=dev)
@@ -120,7 +121,7 @@ class ScoredPolicy(SlotPolicy):
     def take_queries(self, layer: int, q: Tensor) -> None:
         """Keep the queries for a commit-time scoring pass (used only if attention does not
         deliver the statistics)."""
-        if self._queries is None or self._queries.shape[1:] != q.shape or self._queries.dtype != q.dtype:
+        if self._queries.shape[1:] != q.shape or self._queries.dtype != q.dtype:
             self._queries = torch.zeros((self.storage.num_layers, *q.shape), dtype=q.dtype, device=q.device)
         self._queries[layer].copy_(q)
         self._has_queries[layer].fill_(1)
@@ -235,8 +236,7 @@ class ScoredPolicy(SlotPolicy):
             t.zero_()
         for t in (self._key_max, self._key_sum, self.dropped_mass_bound):
             t.zero_()
-        if self._queries is not None:
-            self._queries.zero_()
+        self._queries.zero_()
 
     def state(self) -> dict[str, Tensor]:
         return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound}
