@@ -96,11 +96,6 @@ class CacheLayout:
         """Slots in the buffer: ``sink + window``."""
         return self.sink + self.window
 
-    @property
-    def aligned(self) -> bool:
-        """True when sink and window are whole chunks (the proposal's starting case)."""
-        return self.sink % self.chunk == 0 and self.window % self.chunk == 0
-
     # -------------------------------------------------------------- positions
     def chunk_start(self, chunk_idx: int) -> int:
         """First position of chunk ``chunk_idx``."""

@@ -141,22 +141,6 @@ class Certificate:
     log_zhat: Tensor
     block_log_contrib: Tensor | None = None
 
-    def max_per_head(self) -> Tensor:
-        """``[H]``: the largest ``m_hat`` over the batch and the chunk's queries, per head."""
-        return self.mass.amax(dim=(0, 2))
-
-    def max_error_per_head(self) -> Tensor:
-        """``[H]``: the largest per-channel error bound over the batch, the chunk's queries and
-        the channels, per head."""
-        return self.error.amax(dim=(0, 2, 3))
-
-    def max_mass(self) -> Tensor:
-        """0-dim: the largest ``m_hat`` of the step (device tensor; reading it syncs)."""
-        return self.mass.amax()
-
-    def max_error(self) -> Tensor:
-        """0-dim: the largest per-channel error bound of the step."""
-        return self.error.amax()
 
 
 def kept_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, *, scale: float,

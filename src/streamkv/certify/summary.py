@@ -417,10 +417,6 @@ class BlockSummaries:
     def _elt(dtype: torch.dtype) -> int:
         return torch.empty((), dtype=dtype).element_size()
 
-    def evicted_tokens(self) -> Tensor:
-        """0-dim int64 (device): (token, head) entries summarised and currently evicted."""
-        return (self.count * self.active).sum(dtype=torch.int64)
-
     def summarised_tokens(self) -> Tensor:
         """0-dim int64 (device): (token, head) entries ever summarised (recalled or not)."""
         return self.count.sum(dtype=torch.int64)

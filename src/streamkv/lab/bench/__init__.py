@@ -23,8 +23,8 @@ from streamkv.lab.bench.maintenance import LABELS, SUBJECTS, BytesMoved, Mainten
 from streamkv.lab.bench.measure import Stats, TransientMemory, WrittenBytes, count_written_bytes, probe_transient, time_interleaved
 from streamkv.lab.bench.peers import load_block_kv_cache
 from streamkv.lab.bench.presets import PRESETS, Preset, get_preset
-from streamkv.lab.bench.report import plot_scaling, print_report, register_renderer
-from streamkv.lab.bench.suite import SECTIONS, BenchOptions, evaluate_targets, register_section, run_bench, run_preset
+from streamkv.lab.bench.report import plot_scaling, print_report
+from streamkv.lab.bench.suite import SECTIONS, BenchOptions, evaluate_targets, run_bench, run_preset
 
 __all__ = [
     "PRESETS",
@@ -34,8 +34,6 @@ __all__ = [
     "run_bench",
     "run_preset",
     "SECTIONS",
-    "register_section",
-    "register_renderer",
     "evaluate_targets",
     "print_report",
     "plot_scaling",

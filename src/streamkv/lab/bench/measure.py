@@ -160,11 +160,6 @@ class TimingRun:
             "detector": self.detector, "foreign_cpu_share": self.foreign_load,
         }
 
-    @property
-    def any_included(self) -> bool:
-        return any(self.included.values())
-
-
 class _RunDelay:
     """Nanoseconds this process's threads have spent runnable but not running.
 

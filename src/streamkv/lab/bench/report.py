@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from streamkv.lab.plotting import pyplot, save
 from streamkv.lab.bench.maintenance import LABELS, SUBJECTS
 
-__all__ = ["print_report", "plot_scaling", "RENDERERS", "register_renderer", "fmt_bytes"]
+__all__ = ["print_report", "plot_scaling", "fmt_bytes"]
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -168,15 +167,6 @@ def _write_kernels_table(name: str, wk: dict[str, Any]) -> Any:
     return t
 
 
-#: section name -> renderer(console, preset name, record); add yours with register_renderer
-RENDERERS: dict[str, Callable[[Any, str, dict[str, Any]], None]] = {}
-
-
-def register_renderer(section: str, fn: Callable[[Any, str, dict[str, Any]], None]) -> None:
-    """Print a registered section's part of a record (called after the built-in tables)."""
-    RENDERERS[section] = fn
-
-
 def print_report(doc: dict[str, Any], console: Any = None) -> None:
     """One block of tables per preset: maintenance, ratios, targets, scaling, kernels."""
     from rich.console import Console
@@ -196,9 +186,6 @@ def print_report(doc: dict[str, Any], console: Any = None) -> None:
             console.print(_write_kernels_table(name, rec["write_kernels"]))
             for n in rec["write_kernels"]["notes"]:
                 console.print(f"note: {n}", style="dim")
-        for section, render in RENDERERS.items():
-            if section in rec:
-                render(console, name, rec)
         if "targets" in rec:
             console.print(_targets_table(rec))
         for n in rec.get("notes", []):

@@ -13,9 +13,7 @@ A run measures each preset through a list of *sections*. A section is a function
 ``write_kernels`` (opt-in)
     the ring's write kernel and slot plan apart (:mod:`~streamkv.lab.bench.kernels`).
 
-Another section (e.g. ``end_to_end`` from the rollout) is added with
-:func:`register_section`; it runs after these and lands under its own key. The record
-of a preset (:func:`run_preset`) also holds ``preset`` (its config), ``versions``,
+The record of a preset (:func:`run_preset`) also holds ``preset`` (its config), ``versions``,
 ``options``, ``notes`` and ``targets`` (evaluated last, from whatever sections ran).
 """
 
@@ -39,7 +37,6 @@ __all__ = [
     "OPTIONAL_SECTIONS",
     "SCHEMA",
     "TARGETS",
-    "register_section",
     "run_bench",
     "run_preset",
     "evaluate_targets",
@@ -232,16 +229,6 @@ SECTIONS: dict[str, Section] = {
 }
 #: sections that run only when asked for
 OPTIONAL_SECTIONS = ("write_kernels",)
-
-
-def register_section(name: str, fn: Section) -> None:
-    """Add a section (e.g. ``end_to_end``); its dict is merged into each preset's record.
-
-    Raises ``ValueError`` if ``name`` is taken. Ask for it in ``BenchOptions.sections``.
-    """
-    if name in SECTIONS:
-        raise ValueError(f"section {name!r} already exists")
-    SECTIONS[name] = fn
 
 
 # ================================================================= targets

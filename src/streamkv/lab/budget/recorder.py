@@ -166,7 +166,7 @@ class Recorder(CacheObserver):
                 f"recorder: no queries for chunk {chunk_idx} in layer(s) {missing}; pass them with "
                 f"update(k, v, q) after each write (nothing was committed)"
             )
-        start, C = cache.layout.chunk_start(chunk_idx), cache.layout.chunk
+        start = cache.layout.chunk_start(chunk_idx)
         for layer in range(L):
             have = 0 if self._hk[layer] is None else self._hk[layer].shape[2]
             if start > have:
