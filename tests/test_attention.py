@@ -62,7 +62,7 @@ def test_auto_picks_the_path_and_says_so():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(rope="cache_relative", key_transform=lambda k: k), "keys use cache-relative RoPE"),
+        (dict(rope_mode="cache_relative", key_transform=lambda k: k), "keys use cache-relative RoPE"),
         (dict(attn_mask=torch.zeros(C, S + W)), "an attention mask is given"),
     ],
 )
@@ -86,7 +86,7 @@ def test_cache_relative_rope_needs_the_chronological_path():
     q = torch.randn(1, C, H, D, dtype=torch.float64)
     qr = Rope3D.rotate(q, cos[n - C :].unsqueeze(1), sin[n - C :].unsqueeze(1))
     rotate = lambda k: Rope3D.rotate(k, cos, sin)  # noqa: E731  keys [B, H, n, D]
-    out, info = attend(qr, ring, rope="cache_relative", key_transform=rotate)
+    out, info = attend(qr, ring, rope_mode="cache_relative", key_transform=rotate)
     assert info.path == "chronological"
     want = reference_attention(qr.transpose(1, 2), rotate(ref.chronological_keys().transpose(1, 2)), ref.chronological_values().transpose(1, 2))
     assert (out.transpose(1, 2) - want).abs().max() < 1e-12
@@ -157,7 +157,7 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="order must be 'auto', 'physical' or 'chronological', got 'ring'"):
         attend(q, ring, order="ring")
     with pytest.raises(ValueError, match="needs key_transform"):
-        attend(q, ring, rope="cache_relative")
+        attend(q, ring, rope_mode="cache_relative")
     with pytest.raises(ValueError, match="occupancy must be 'all', 'prefix' or 'mask', got 'full'"):
         ring.read(occupancy="full")
     with pytest.raises(ValueError, match="occupancy 'all' would read empty slots: 6 of 9"):

@@ -71,7 +71,7 @@ def attend(
     source: KVRead | Readable,
     *,
     order: Order = "auto",
-    rope: RopeMode = "absolute",
+    rope_mode: RopeMode = "absolute",
     key_transform: Callable[[Tensor], Tensor] | None = None,
     attn_mask: Tensor | None = None,
     causal: bool = False,
@@ -86,7 +86,7 @@ def attend(
         source: a :class:`~streamkv.caches.KVRead`, or a layer handle (``cache.layer(i)``),
             or a one-layer cache (read now).
         order: ``"physical"``, ``"chronological"`` or ``"auto"`` (physical when valid).
-        rope: ``"absolute"`` (keys rotated at their positions before the write) or
+        rope_mode: ``"absolute"`` (keys rotated at their positions before the write) or
             ``"cache_relative"`` (keys stored unrotated; ``key_transform`` rotates the
             chronological keys ``[..., L, D]`` at read time): chronological path only.
         attn_mask: additive or boolean mask over the *chronological* keys, broadcastable to
@@ -110,10 +110,10 @@ def attend(
     block = check_block(block)
     if order not in ("auto", "physical", "chronological"):
         raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
-    if rope not in ("absolute", "cache_relative"):
-        raise ValueError(f"rope must be 'absolute' or 'cache_relative', got {rope!r}")
-    if rope == "cache_relative" and key_transform is None:
-        raise ValueError("rope='cache_relative' needs key_transform to rotate the chronological keys")
+    if rope_mode not in ("absolute", "cache_relative"):
+        raise ValueError(f"rope_mode must be 'absolute' or 'cache_relative', got {rope_mode!r}")
+    if rope_mode == "cache_relative" and key_transform is None:
+        raise ValueError("rope_mode='cache_relative' needs key_transform to rotate the chronological keys")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
                               or scale <= 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
@@ -121,7 +121,7 @@ def attend(
     if read.empty:
         raise ValueError(f"{read.name} holds no token yet: begin_chunk and write before attending")
     reasons = []
-    if rope == "cache_relative":
+    if rope_mode == "cache_relative":
         reasons.append("keys use cache-relative RoPE (their rotation depends on chronological order)")
     if attn_mask is not None:
         reasons.append("an attention mask is given (it indexes chronological keys)")

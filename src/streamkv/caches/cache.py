@@ -27,6 +27,9 @@ layout, memory overlap with the cache's own buffers, autograd and inference-mode
 lifecycle) runs before the first byte changes, and K and V are written together or not at
 all. Observers are told of a change before it happens (see :mod:`.observers`).
 
+The class is split by concern: this module holds construction, the lifecycle and observers;
+:mod:`.reads` what can be read, :mod:`.state` state dicts, :mod:`.checks` input validation.
+
 Graph safety: ``write``/``update`` read their destination from device tensors and change no
 host state, so a CUDA graph captured for one chunk writes a later chunk's slots on replay
 (``graph_safe_writes``; not the chronological path, whose offset is a host int while it
@@ -38,7 +41,6 @@ commit synchronises once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -48,14 +50,13 @@ from ..layout import CacheLayout
 from ..policies import SlotPolicy, make_policy
 from ..policies.base import Step
 from ..storage import KVStorage, check_int
+from .checks import InputChecks
 from .observers import CacheObserver, EvictionEvent, EvictionListener
 from .read import KVRead, Occupancy
+from .reads import ReadPaths
+from .state import MAX_POSITION, StateDicts
 
 __all__ = ["KVCache", "LayerView", "Transition", "MAX_POSITION"]
-
-#: Positions stay below 2**53: exact in float64 (RoPE angles) and far from int64 overflow.
-MAX_POSITION = 2**53
-_OCCUPANCIES = ("all", "prefix", "mask")
 
 
 class Transition:
@@ -72,7 +73,7 @@ class Transition:
         self._apply()
 
 
-class KVCache:
+class KVCache(ReadPaths, StateDicts, InputChecks):
     """K/V storage for ``num_layers`` layers, a slot policy and the chunk lifecycle.
 
     Args:
@@ -407,128 +408,7 @@ class KVCache:
         c = self.open_chunk
         return f"commit_chunk({c})" if c is not None else "commit()"
 
-    @property
-    def num_valid(self) -> int:
-        """Occupied slots of the ``sink + window`` the policy manages: the count for window
-        caches (host arithmetic), the most of any (layer, head) for per-head ones (synchronises)."""
-        if not self.per_head:
-            return self.layout.num_valid(self.end)
-        return int((self.storage.positions[..., : self.layout.capacity] >= 0).sum(-1).max())
-
-    def occupancy(self, static: bool = False) -> Occupancy:
-        """How a read treats empty slots now (host decision): ``"all"`` when a window cache is
-        full, ``"prefix"`` while it fills, ``"mask"`` for per-head caches and recall slots.
-        ``static=True`` (compiled steps, CUDA graphs: shapes must not change): ``"mask"``
-        instead of ``"prefix"``."""
-        if not self.valid_is_prefix:
-            return "mask"
-        if self.layout.num_valid(self._end) == self.layout.capacity:
-            return "all"
-        return "mask" if static else "prefix"
-
-    @property
-    def all_valid(self) -> bool:
-        """Every slot holds a retained token (``occupancy() == "all"``)."""
-        return self.occupancy() == "all"
-
-    @property
-    def slot_positions(self) -> Tensor:
-        """Device ``int64 [num_layers, heads, slots]``: the position each slot holds per layer
-        and head (``-1`` empty); broadcast from one plan for window caches. Read-only view."""
-        return self.storage.slot_positions
-
-    @property
-    def write_slots(self) -> Tensor:
-        """Device ``int64 [num_layers, heads, chunk]``: the slots of the open (or last) chunk's rows."""
-        return self.storage.write_slots
-
-    def layer_slot_positions(self, layer: int | None = None) -> Tensor:
-        """``int64 [heads, slots]``: ``slot_positions`` of one layer."""
-        return self.storage.layer_positions(self._check_layer(layer))
-
-    def keys(self, layer: int | None = None) -> Tensor:
-        """The physical key buffer of ``layer`` (a view of the storage)."""
-        return self.storage.keys[self._check_layer(layer)]
-
-    def values(self, layer: int | None = None) -> Tensor:
-        """The physical value buffer of ``layer`` (a view of the storage)."""
-        return self.storage.values[self._check_layer(layer)]
-
-    def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
-        """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).
-
-        ``occupancy`` (default :meth:`occupancy`) may be forced to ``"mask"`` for static shapes
-        (compiled steps, CUDA graphs); ``"all"``/``"prefix"`` where they would read an empty
-        slot are refused (``ValueError``).
-        """
-        return self._read(self._check_layer(layer), self._check_occupancy(occupancy))
-
-    @property
-    def chronological_refusal(self) -> str | None:
-        """Why this cache has no chronological view (masks over it, cache-relative RoPE), or
-        None when it has one."""
-        if self.per_head:
-            return (f"the heads of this {self.name} cache hold different positions: there is no common chronological "
-                    f"order (use the physical path, occupancy 'mask')")
-        if self.storage.recall_slots:
-            return "recall slots hold tokens outside the window: the chronological view does not include them"
-        return None
-
-    def _read(self, layer: int, occupancy: Occupancy) -> KVRead:
-        if torch.compiler.is_compiling():
-            # a traced step must not read the host counters (each value would be a guard, and
-            # a recompilation per chunk): only what stays the same from chunk to chunk
-            return self._make_read(layer, occupancy, traced=True)
-        read = self._reads.get((layer, occupancy))
-        if read is None:
-            read = self._reads[(layer, occupancy)] = self._make_read(layer, occupancy)
-        return read
-
-    def _make_read(self, layer: int, occupancy: Occupancy, traced: bool = False) -> KVRead:
-        st = self.storage
-        if occupancy == "prefix" and traced:
-            raise ValueError("occupancy 'prefix' has a data-dependent shape: compiled steps read with 'all' or 'mask'")
-        visible = self.layout.num_valid(self._end) if occupancy == "prefix" else st.slots
-        refusal = self.chronological_refusal
-        chrono = None if refusal or traced else partial(self._chronological, layer)
-        return KVRead(
-            keys=st.keys[layer], values=st.values[layer], seq_dim=st.seq_dim, head_axis=st.head_axis,
-            positions=st.layer_positions(layer), occupancy=occupancy, visible=visible,
-            query_positions=self._chunk_positions[: self._span] if self._open else None,
-            empty=False if traced else self._end == 0,
-            num_retained=None if chrono is None else self.layout.num_valid(self._end), chronological=chrono,
-            chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
-            scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
-            bias_fn=st.bias, name=f"{self.name} cache layer {layer}",
-        )
-
-    def _chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:
-        slots = self.policy.chronological_slots(self.end)
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        st = self.storage
-        return (st.keys[layer].index_select(st.seq_dim, idx), st.values[layer].index_select(st.seq_dim, idx),
-                self.layout.retained_positions(self.end))
-
-    def chronological_keys(self, layer: int | None = None) -> Tensor:
-        """Retained keys in position order, ``[sinks | window]`` (a gathered copy). Refused
-        (``ValueError``) where heads hold different positions."""
-        return self._chronological_view(layer)[0]
-
-    def chronological_values(self, layer: int | None = None) -> Tensor:
-        """Retained values in position order (a gathered copy); refused as the keys are."""
-        return self._chronological_view(layer)[1]
-
-    def chronological_positions(self) -> list[int]:
-        """Positions of the ``chronological_keys()`` rows (host arithmetic); refused as they are."""
-        self._chronological_view(0)
-        return self.layout.retained_positions(self.end)
-
-    def _chronological_view(self, layer: int | None) -> tuple[Tensor, Tensor, list[int]]:
-        read = self._read(self._check_layer(layer), "mask")
-        if read.chronological is None:
-            raise ValueError(f"no chronological view: {read.chronological_refusal}")
-        return read.chronological()
-
+    # ================================================================ handles, report
     def layer(self, layer: int) -> LayerView:
         """A handle on one layer: what an attention module needs."""
         return LayerView(self, self._check_layer(layer))
@@ -582,201 +462,6 @@ class KVCache:
     def observers(self) -> tuple[CacheObserver, ...]:
         return tuple(self._observers)
 
-    # ============================================================ state dicts
-    def config(self) -> dict[str, Any]:
-        """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
-        return {
-            "kind": self.name,
-            "layout": (self.layout.sink, self.layout.window, self.layout.chunk),
-            "policy": self.policy.params(),
-            "k_shape": self.k_shape,
-            "v_shape": self.v_shape,
-            "seq_dim": self.seq_dim,
-            "head_dim": self.head_dim,
-            "num_layers": self.num_layers,
-            "recall_slots": self.storage.recall_slots,
-            "dtype": str(self.dtype),
-        }
-
-    def _tensors(self) -> dict[str, Tensor]:
-        st = self.storage
-        return {"keys": st.keys, "values": st.values, "slot_positions": st.positions, "write_slots": st.plan,
-                **self.policy.state()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot of the cache's whole state: host counters and *copies* of every tensor
-        (so a state taken now restores this moment even after the stream moves on).
-
-        Raises ``RuntimeError`` for a cache with recall slots: their contents belong to the
-        observer that recalled them, which does not serialise its state."""
-        if self.storage.recall_slots:
-            raise RuntimeError(
-                "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
-                "(streamkv.certify) whose summaries and offload store are not serialised"
-            )
-        return {
-            **self.config(),
-            "end": self._end,
-            "span": self._span,
-            "open": self._open,
-            **{name: t.detach().clone() for name, t in self._tensors().items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into the existing buffers (copies).
-
-        Everything is validated first (:meth:`validate_state`): the kind, policy, layout,
-        shapes and dtype; every tensor's shape, dtype and layout; the lifecycle counters
-        against the layout arithmetic; the slot positions against the counters. A rejected
-        state changes nothing.
-        """
-        end, span, is_open = self.validate_state(state)
-        for name, t in self._tensors().items():
-            t.copy_(state[name])
-        self._end, self._span, self._open = end, span, is_open
-        self._chunk_positions.fill_(end - span).add_(self._arange_c)
-        self._reads.clear()
-        self.policy.after_load(end, span)
-
-    def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:
-        """Raise as ``load_state_dict(state)`` would; else return ``(end, span, open)`` as exact
-        Python values. Changes nothing."""
-        self._check_mutable("load_state_dict")
-        if self.storage.recall_slots:
-            raise RuntimeError("a cache with recall slots does not load state dicts (see state_dict)")
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        for key, want in self.config().items():
-            if key not in state:
-                raise ValueError(f"state dict lacks {key!r}")
-            got = state[key]
-            if isinstance(want, tuple):
-                got = tuple(got) if isinstance(got, (tuple, list, torch.Size)) else got
-            if got != want:
-                raise ValueError(f"state dict {key} must be {want!r} for this cache, got {got!r}")
-        for key, buf in self._tensors().items():
-            t = state.get(key)
-            if not isinstance(t, Tensor) or t.shape != buf.shape or t.dtype != buf.dtype:
-                desc = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else repr(type(t).__name__)
-                raise ValueError(f"state dict {key} must be a {tuple(buf.shape)} {buf.dtype} tensor, got {desc}")
-            if t.layout != torch.strided or t.device.type == "meta":
-                raise ValueError(f"state dict {key} must be a dense tensor with data, got layout {t.layout} on {t.device}")
-            if self.storage.owns(t):
-                raise ValueError(
-                    f"state dict {key} shares memory with this cache's own buffers: loading it would read what it "
-                    f"overwrites (keep a copy: state_dict() returns copies)"
-                )
-        for key in ("end", "span", "open"):
-            if key not in state:
-                raise ValueError(f"state dict lacks {key!r}")
-        try:
-            end = check_int("end", state["end"], 0)
-            span = check_int("span", state["span"], 0)
-        except TypeError as exc:
-            raise ValueError(f"state dict {exc}") from None
-        is_open = state["open"]
-        if not isinstance(is_open, bool):
-            raise ValueError(f"state dict open must be a bool, got {type(is_open).__name__} {is_open!r}")
-        if end > MAX_POSITION:
-            raise ValueError(f"state dict end={end} passes position 2**53")
-        if span > min(end, self.layout.chunk) or (end and not span) or (is_open and not span):
-            raise ValueError(
-                f"state dict span={span} is impossible at end={end} (1 <= span <= min(end, chunk={self.layout.chunk}) "
-                f"once anything entered the stream)"
-            )
-        self.policy.check_state(state, end, span, is_open)
-        return end, span, is_open
-
-    # ============================================================ validation
-    def _check_mutable(self, what: str) -> None:
-        if torch.compiler.is_compiling():
-            return  # a compiled step was traced after the same checks ran eagerly
-        if self._inference_buffers and not torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                f"{what}: this cache was built under torch.inference_mode(), so its buffers are inference tensors "
-                f"that torch only lets change inside inference mode; call it under torch.inference_mode() (or build "
-                f"the cache outside it)"
-            )
-
-    def _check_layer(self, layer: int | None) -> int:
-        if layer is None:
-            if self.num_layers != 1:
-                raise ValueError(f"layer is required: this cache holds {self.num_layers} layers")
-            return 0
-        layer = check_int("layer", layer)
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        return layer
-
-    def _check_write(self, k: Tensor, v: Tensor) -> None:
-        if not self._open:
-            raise RuntimeError("write() needs an open chunk: call begin_chunk(chunk_idx) first")
-        self._check_mutable("write")
-        self._check_tensor("k", k, self._rows_shape("k"))
-        self._check_tensor("v", v, self._rows_shape("v"))
-
-    def _rows_shape(self, which: str) -> tuple[int, ...]:
-        """The shape of the open span's ``"k"`` or ``"v"`` rows."""
-        shape = self.storage.chunk_shape(which)
-        seq = self.seq_dim
-        return shape[:seq] + (self._span,) + shape[seq + 1 :]
-
-    def _check_queries(self, q: Tensor) -> None:
-        want = self._rows_shape("k")
-        if isinstance(q, Tensor) and q.dim() == len(want) and self.head_dim is not None:
-            h = self.head_dim
-            if q.shape[h] != want[h] and q.shape[h] % want[h] == 0:
-                want = want[:h] + (q.shape[h],) + want[h + 1:]  # grouped-query attention
-        self._check_tensor("q", q, want, heads_note=" (or a multiple of the key heads)")
-
-    def _check_tensor(self, name: str, t: Tensor, shape: tuple[int, ...], heads_note: str = "") -> None:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-        if t.dim() != len(shape):
-            raise ValueError(f"{name} must have rank {len(shape)} (shape {shape}), got rank {t.dim()} {tuple(t.shape)}")
-        if tuple(t.shape) != shape:
-            raise ValueError(
-                f"{name} must have shape {shape}{heads_note} ({self._span} rows of the open span at "
-                f"seq_dim={self.seq_dim}), got {tuple(t.shape)}"
-            )
-        if t.dtype != self.dtype:
-            raise TypeError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
-        if t.device != self.device:
-            raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
-        if t.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                f"{name} requires grad: the cache stores values, not an autograd graph (every cache refuses them "
-                f"alike); pass {name}.detach() or run under torch.no_grad()"
-            )
-        if not torch.compiler.is_compiling() and self.storage.owns(t):
-            raise ValueError(f"{name} shares memory with this cache's own buffers: pass a tensor of its own (clone it)")
-
-    def _check_occupancy(self, occupancy: Occupancy | None) -> Occupancy:
-        if occupancy is None:
-            return self.occupancy()
-        if occupancy not in _OCCUPANCIES:
-            raise ValueError(f"occupancy must be 'all', 'prefix' or 'mask', got {occupancy!r}")
-        if occupancy == "mask" or torch.compiler.is_compiling():
-            return occupancy  # a compiled step's occupancy was checked outside (check_occupancy)
-        self.check_occupancy(occupancy)
-        return occupancy
-
-    def check_occupancy(self, occupancy: Occupancy) -> None:
-        """Raise ``ValueError`` unless a read with ``occupancy`` is exact now (host counters)."""
-        if occupancy not in _OCCUPANCIES:
-            raise ValueError(f"occupancy must be 'all', 'prefix' or 'mask', got {occupancy!r}")
-        if occupancy == "mask":
-            return
-        if not self.valid_is_prefix:
-            why = "heads hold different slots" if self.per_head else "recall slots follow the window"
-            raise ValueError(f"occupancy {occupancy!r} is invalid for this {self.name} cache ({why}): use 'mask'")
-        if occupancy == "all" and self.layout.num_valid(self.end) != self.layout.capacity:
-            raise ValueError(
-                f"occupancy 'all' would read empty slots: {self.layout.num_valid(self.end)} of "
-                f"{self.layout.capacity} slots are occupied (use 'prefix' or 'mask')"
-            )
 
     def __repr__(self) -> str:
         L = self.layout

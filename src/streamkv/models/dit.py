@@ -13,9 +13,9 @@ Per chunk of latent frames ``[B, in_channels, F, latent_h, latent_w]``::
     head: LN(x) * (1 + scale) + shift -> linear -> unpatchify -> flow [B, C, F, H, W]
 
 Self-attention within the chunk is bidirectional; the chunk sees the cached sinks and
-window (the chunk itself included, as in Self-Forcing). With ``rope="absolute"`` (the
+window (the chunk itself included, as in Self-Forcing). With ``rope_mode="absolute"`` (the
 Wan recipe) keys are rotated at their stream positions before the write, so attention
-may read the cache in physical order. ``rope="cache_relative"`` stores keys unrotated
+may read the cache in physical order. ``rope_mode="cache_relative"`` stores keys unrotated
 and rotates them at read time by their index in the chronological view; that path
 must gather.
 
@@ -129,7 +129,7 @@ class Block(nn.Module):
             rel_cos, rel_sin = relative_rope(n)  # tables for relative positions 0..n-1
             q = Rope3D.rotate(q, rel_cos[n - c :].unsqueeze(1), rel_sin[n - c :].unsqueeze(1))
             attn, _ = attend(
-                q, read, order=order, rope="cache_relative",
+                q, read, order=order, rope_mode="cache_relative",
                 key_transform=lambda kc: Rope3D.rotate(kc, rel_cos, rel_sin),
             )
         if cp is not None:

@@ -1,0 +1,126 @@
+"""State dicts of a cache: a snapshot of everything (copies), and a load that validates every
+field against the layout arithmetic before anything is copied (mixed into
+:class:`~streamkv.caches.KVCache`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..storage import check_int
+
+__all__ = ["StateDicts", "MAX_POSITION"]
+
+#: Positions stay below 2**53: exact in float64 (RoPE angles) and far from int64 overflow.
+MAX_POSITION = 2**53
+
+
+class StateDicts:
+    """``state_dict`` / ``load_state_dict`` / ``validate_state`` of a cache."""
+
+    def config(self) -> dict[str, Any]:
+        """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
+        return {
+            "kind": self.name,
+            "layout": (self.layout.sink, self.layout.window, self.layout.chunk),
+            "policy": self.policy.params(),
+            "k_shape": self.k_shape,
+            "v_shape": self.v_shape,
+            "seq_dim": self.seq_dim,
+            "head_dim": self.head_dim,
+            "num_layers": self.num_layers,
+            "recall_slots": self.storage.recall_slots,
+            "dtype": str(self.dtype),
+        }
+
+    def _tensors(self) -> dict[str, Tensor]:
+        st = self.storage
+        return {"keys": st.keys, "values": st.values, "slot_positions": st.positions, "write_slots": st.plan,
+                **self.policy.state()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the cache's whole state: host counters and *copies* of every tensor
+        (so a state taken now restores this moment even after the stream moves on).
+
+        Raises ``RuntimeError`` for a cache with recall slots: their contents belong to the
+        observer that recalled them, which does not serialise its state."""
+        if self.storage.recall_slots:
+            raise RuntimeError(
+                "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
+                "(streamkv.certify) whose summaries and offload store are not serialised"
+            )
+        return {
+            **self.config(),
+            "end": self._end,
+            "span": self._span,
+            "open": self._open,
+            **{name: t.detach().clone() for name, t in self._tensors().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` into the existing buffers (copies).
+
+        Everything is validated first (:meth:`validate_state`): the kind, policy, layout,
+        shapes and dtype; every tensor's shape, dtype and layout; the lifecycle counters
+        against the layout arithmetic; the slot positions against the counters. A rejected
+        state changes nothing.
+        """
+        end, span, is_open = self.validate_state(state)
+        for name, t in self._tensors().items():
+            t.copy_(state[name])
+        self._end, self._span, self._open = end, span, is_open
+        self._chunk_positions.fill_(end - span).add_(self._arange_c)
+        self._reads.clear()
+        self.policy.after_load(end, span)
+
+    def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:
+        """Raise as ``load_state_dict(state)`` would; else return ``(end, span, open)`` as exact
+        Python values. Changes nothing."""
+        self._check_mutable("load_state_dict")
+        if self.storage.recall_slots:
+            raise RuntimeError("a cache with recall slots does not load state dicts (see state_dict)")
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        for key, want in self.config().items():
+            if key not in state:
+                raise ValueError(f"state dict lacks {key!r}")
+            got = state[key]
+            if isinstance(want, tuple):
+                got = tuple(got) if isinstance(got, (tuple, list, torch.Size)) else got
+            if got != want:
+                raise ValueError(f"state dict {key} must be {want!r} for this cache, got {got!r}")
+        for key, buf in self._tensors().items():
+            t = state.get(key)
+            if not isinstance(t, Tensor) or t.shape != buf.shape or t.dtype != buf.dtype:
+                desc = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else repr(type(t).__name__)
+                raise ValueError(f"state dict {key} must be a {tuple(buf.shape)} {buf.dtype} tensor, got {desc}")
+            if t.layout != torch.strided or t.device.type == "meta":
+                raise ValueError(f"state dict {key} must be a dense tensor with data, got layout {t.layout} on {t.device}")
+            if self.storage.owns(t):
+                raise ValueError(
+                    f"state dict {key} shares memory with this cache's own buffers: loading it would read what it "
+                    f"overwrites (keep a copy: state_dict() returns copies)"
+                )
+        for key in ("end", "span", "open"):
+            if key not in state:
+                raise ValueError(f"state dict lacks {key!r}")
+        try:
+            end = check_int("end", state["end"], 0)
+            span = check_int("span", state["span"], 0)
+        except TypeError as exc:
+            raise ValueError(f"state dict {exc}") from None
+        is_open = state["open"]
+        if not isinstance(is_open, bool):
+            raise ValueError(f"state dict open must be a bool, got {type(is_open).__name__} {is_open!r}")
+        if end > MAX_POSITION:
+            raise ValueError(f"state dict end={end} passes position 2**53")
+        if span > min(end, self.layout.chunk) or (end and not span) or (is_open and not span):
+            raise ValueError(
+                f"state dict span={span} is impossible at end={end} (1 <= span <= min(end, chunk={self.layout.chunk}) "
+                f"once anything entered the stream)"
+            )
+        self.policy.check_state(state, end, span, is_open)
+        return end, span, is_open
+
