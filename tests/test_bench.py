@@ -26,7 +26,7 @@ from streamkv.lab.bench import (
     run_preset,
     time_interleaved,
 )
-from streamkv.lab.bench.measure import check_device
+from streamkv.lab.measure import check_device
 from streamkv.lab.cli import main
 
 CPU = torch.device("cpu")

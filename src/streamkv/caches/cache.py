@@ -29,6 +29,8 @@ all. Observers are told of a change before it happens (see :mod:`.observers`).
 
 The class is split by concern: this module holds construction, the lifecycle and observers;
 :mod:`.reads` what can be read, :mod:`.state` state dicts, :mod:`.checks` input validation.
+Why one module for the rest: begin, write and commit are one state machine over the same host
+counters, plans and announcements; split further, each half would read the other's internals.
 
 Graph safety: ``write``/``update`` read their destination from device tensors and change no
 host state, so a CUDA graph captured for one chunk writes a later chunk's slots on replay

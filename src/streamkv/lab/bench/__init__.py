@@ -20,7 +20,7 @@ For another script (e.g. a GPU check), the pieces run alone::
 """
 
 from streamkv.lab.bench.maintenance import LABELS, SUBJECTS, BytesMoved, MaintenanceResult, analytic_bytes, build_subjects, measure_maintenance
-from streamkv.lab.bench.measure import Stats, TransientMemory, WrittenBytes, count_written_bytes, probe_transient, time_interleaved
+from streamkv.lab.measure import Stats, TransientMemory, WrittenBytes, count_written_bytes, probe_transient, time_interleaved
 from streamkv.lab.bench.peers import load_block_kv_cache
 from streamkv.lab.bench.presets import PRESETS, Preset, get_preset
 from streamkv.lab.bench.report import plot_scaling, print_report

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from streamkv.caches import RingCache
 from streamkv.layout import CacheLayout
-from streamkv.lab.bench.measure import Stats, check_device, time_interleaved
+from streamkv.lab.measure import Stats, check_device, time_interleaved
 from streamkv.lab.bench.presets import Preset
 
 __all__ = ["measure_write_kernels", "WIDE_DTYPES"]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from streamkv.lab.bench.maintenance import SUBJECTS, measure_maintenance
-from streamkv.lab.bench.measure import check_device
+from streamkv.lab.measure import check_device
 from streamkv.lab.env import environment, threads
 from streamkv.lab.bench.presets import Preset, get_preset
 

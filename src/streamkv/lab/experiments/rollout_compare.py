@@ -143,7 +143,7 @@ def compare_rollouts(
             probe.set_prompt(prompt, negative if guidance > 1 else None, seed=1000)
             for _ in range(chunks - 1):
                 probe.generate_chunk()
-            from streamkv.lab.bench.measure import probe_transient
+            from streamkv.lab.measure import probe_transient
 
             transient = probe_transient(probe.generate_chunk, dev, steps=1)
             peak = param_bytes + cache_bytes + cross_bytes + transient.peak_bytes

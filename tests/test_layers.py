@@ -1,0 +1,107 @@
+"""The shape of the code: the library never imports the lab, no module imports upward, and
+no module grows past ~400 lines without a reason written at its top."""
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
+
+#: the library's layers, bottom first: a module may import its own layer and the ones below
+LAYERS = [
+    {"layout", "budget", "reference"},
+    {"storage"},
+    {"scoring"},
+    {"policies"},
+    {"caches"},
+    {"attention", "rope", "distributed"},
+    {"certify", "models", "compat"},
+    {"rollout"},
+    {"integrations"},
+    {"lab"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _unit(module: str) -> str:
+    """``streamkv.caches.cache`` -> ``caches``; ``streamkv.attention`` -> ``attention``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every streamkv module ``path`` imports (relative imports resolved), with its line."""
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    package = list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "streamkv"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] == "streamkv":
+                out.append((node.lineno, mod))
+    return out
+
+
+MODULES = sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_every_top_level_unit_has_a_layer():
+    units = {p.relative_to(SRC).parts[0].removesuffix(".py") for p in MODULES} - {"__init__"}
+    assert units <= set(RANK), f"units without a layer: {units - set(RANK)}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_no_upward_import(path):
+    unit = path.relative_to(SRC).parts[0].removesuffix(".py")
+    if unit == "__init__":
+        return  # the package's lazy exports (import strings, resolved on first use)
+    for line, mod in _imports(path):
+        target = _unit(mod)
+        if target in ("", "__init__"):
+            continue
+        assert RANK[target] <= RANK[unit], (
+            f"{path.relative_to(SRC)}:{line} imports {mod} ({target}, layer {RANK[target]}) from layer {RANK[unit]}"
+        )
+
+
+def test_the_library_never_imports_the_lab():
+    for path in MODULES:
+        if path.relative_to(SRC).parts[0] == "lab":
+            continue
+        assert all(_unit(m) != "lab" for _, m in _imports(path)), f"{path} imports the lab"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_modules_are_small_or_say_why(path):
+    lines = path.read_text().count("\n")
+    if lines <= 430:
+        return
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "Why one module" in doc, f"{path.relative_to(SRC)} has {lines} lines and no 'Why one module' note at its top"
+
+
+def test_the_import_check_can_fail(tmp_path):
+    """Control: an upward relative import written into a copy of a library module is found."""
+    pkg = tmp_path / "streamkv" / "policies"
+    pkg.mkdir(parents=True)
+    bad = pkg / "bad.py"
+    bad.write_text("from ..caches import KVCache\nfrom .base import Step\n")
+    found = [m for _, m in _imports_at(bad, tmp_path / "streamkv")]
+    assert found == ["streamkv.caches", "streamkv.policies.base"]
+    assert RANK[_unit(found[0])] > RANK["policies"]
+
+
+def _imports_at(path, root):
+    global SRC
+    saved, SRC = SRC, root
+    try:
+        return _imports(path)
+    finally:
+        SRC = saved
