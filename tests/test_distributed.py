@@ -270,3 +270,27 @@ def test_compare_fails_before_anything_runs(monkeypatch):
         compare_context_parallel(("ring",), nproc=3)
     with pytest.raises(RuntimeError, match=r"mode='graph' is not supported with context parallelism \(nproc=2\)"):
         compare_context_parallel(("ring",), nproc=2, mode="graph")
+
+
+def test_torchrun_launches_the_same_comparison(tmp_path):
+    """The context-parallel rollout under the launcher users already know: ``torchrun`` with
+    ``env://`` initialisation (gloo), two ranks, against a single process on rank 0."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "cp.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "streamkv.lab.cli", "rollout", "--cache", "ring", "--chunks", "4", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and data["config"]["launcher"] == "torchrun"
+    assert data["max_abs_diff"]["ring"] <= 1e-5 * data["output_scale"]["ring"]
+    assert data["ranks_agree"]["ring"] is True
+    assert data["cache_bytes_per_rank"]["ring"] * 2 == data["cache_bytes_single"]["ring"]
+    assert proc.stdout.count("wrote ") == 1  # rank 0 alone reports

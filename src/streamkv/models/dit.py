@@ -147,6 +147,32 @@ class Block(nn.Module):
         h = self.norm2(x) * (1 + scale2.unsqueeze(1)) + shift2.unsqueeze(1)
         return x + gate2.unsqueeze(1) * self.ffn(h)
 
+    def forward_dense(self, x: Tensor, e: Tensor, cross: tuple[Tensor, Tensor], rope: tuple[Tensor, Tensor],
+                      allowed: Tensor) -> Tensor:
+        """The block over a whole token sequence with an attention mask (training; no cache).
+
+        The same weights and arithmetic as :meth:`forward` with absolute RoPE, except that
+        the modulation is per token (``e``: ``[B, L, 6, dim]``) and self-attention reads the
+        sequence itself under ``allowed`` (bool ``[L, L]``, True where query row ``i`` sees
+        key ``j``). Differentiable; mutates nothing.
+        """
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.unsqueeze(1) + e).unbind(2)
+        h = self.norm1(x) * (1 + scale1) + shift1
+        q = self._heads(self.norm_q(self.q(h)))
+        k = self._heads(self.norm_k(self.k(h)))
+        v = self._heads(self.v(h))
+        cos, sin = rope
+        q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=allowed).transpose(1, 2)
+        x = x + gate1 * self.o(attn.flatten(-2))
+        cq = self._heads(self.cnorm_q(self.cq(self.norm3(x))))
+        ck, cv = cross
+        ca = F.scaled_dot_product_attention(cq.transpose(1, 2), ck.transpose(1, 2), cv.transpose(1, 2))
+        x = x + self.co(ca.transpose(1, 2).flatten(-2))
+        h = self.norm2(x) * (1 + scale2) + shift2
+        return x + gate2 * self.ffn(h)
+
 
 def _timed(timer: Callable[[float], None] | None, fn: Callable[..., KVRead], *args, **kwargs) -> KVRead:
     """``fn(*args, **kwargs)``, its seconds reported to ``timer`` (synchronising on CUDA)."""
@@ -351,3 +377,59 @@ class CausalVideoDiT(nn.Module):
         if cp is not None:
             out = cp.gather_tokens(out)
         return self.unpatchify(out, frames)
+
+    def forward_sequence(self, x: Tensor, t: Tensor, text: Tensor, frame_index: Tensor, allowed: Tensor) -> Tensor:
+        """Flow of a whole sequence of frames in one differentiable pass (training), no cache.
+
+        The streaming :meth:`forward` reads a cache; this reads the sequence itself under a
+        frame-level mask, with the same weights (:meth:`Block.forward_dense`) and absolute
+        RoPE. With a block-causal mask (each chunk sees the earlier chunks and itself) and
+        clean earlier chunks at ``t = 0`` it computes what a full-history streaming rollout
+        computes for the last chunk (float rounding apart). Sequences may repeat a stream
+        frame (teacher forcing: a clean and a noised copy share a ``frame_index``).
+
+        Args:
+            x: latents ``[B, in_channels, F, latent_h, latent_w]`` (any float dtype of the model).
+            t: timesteps ``[B, F]`` (0..1000), one per frame.
+            text: prompt embeddings ``[B, text_len, text_dim]`` (:meth:`encode_prompt`); the
+                cross-attention K/V are computed here, with gradients.
+            frame_index: ``int64 [F]``, the stream frame of each frame (its RoPE time).
+            allowed: ``bool [F, F]``, True where frame ``i``'s tokens attend to frame ``j``'s;
+                every row needs at least one True (its own frame, for a streaming model).
+
+        Returns:
+            the flow ``[B, in_channels, F, latent_h, latent_w]``. Mutates nothing.
+
+        Raises:
+            TypeError: ``frame_index`` not int64 or ``allowed`` not bool.
+            ValueError: shapes that do not match ``x`` or the config; an empty mask row;
+                a frame beyond the RoPE horizon.
+        """
+        c = self.cfg
+        if x.dim() != 5 or x.shape[1] != c.in_channels or tuple(x.shape[3:]) != (c.latent_h, c.latent_w):
+            raise ValueError(f"x must be [B, {c.in_channels}, F, {c.latent_h}, {c.latent_w}], got {tuple(x.shape)}")
+        b, f = x.shape[0], x.shape[2]
+        if tuple(t.shape) != (b, f):
+            raise ValueError(f"t must be [B, F] = [{b}, {f}], got {tuple(t.shape)}")
+        if tuple(text.shape) != (b, c.text_len, c.text_dim):
+            raise ValueError(f"text must be [{b}, {c.text_len}, {c.text_dim}], got {tuple(text.shape)}")
+        if frame_index.dtype != torch.int64 or allowed.dtype != torch.bool:
+            raise TypeError(f"frame_index must be int64 and allowed bool, got {frame_index.dtype} and {allowed.dtype}")
+        if tuple(frame_index.shape) != (f,) or tuple(allowed.shape) != (f, f):
+            raise ValueError(f"frame_index must be [{f}] and allowed [{f}, {f}], got {tuple(frame_index.shape)} "
+                             f"and {tuple(allowed.shape)}")
+        if not bool(allowed.any(1).all()):
+            raise ValueError("every frame must attend to at least one frame (a row of allowed is all False)")
+        n = c.tokens_per_frame
+        positions = (frame_index.to(x.device).unsqueeze(1) * n + torch.arange(n, device=x.device)).flatten()
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        rope = (cos.unsqueeze(1), sin.unsqueeze(1))
+        token_mask = allowed.to(x.device).repeat_interleave(n, 0).repeat_interleave(n, 1)
+        tokens = self.patch_embed(self.patchify(x))
+        e = self.time_embed(timestep_embedding(t, c.freq_dim).to(tokens.dtype)).repeat_interleave(n, 1)  # [B, L, d]
+        e6 = self.time_proj(e).unflatten(-1, (6, c.dim))
+        ctx = self.text_embed(text)
+        for blk in self.blocks:
+            tokens = blk.forward_dense(tokens, e6, blk.cross_kv(ctx), rope, token_mask)
+        shift, scale = (self.head_modulation.unsqueeze(1) + e.unsqueeze(2)).unbind(2)
+        return self.unpatchify(self.head(self.head_norm(tokens) * (1 + scale) + shift), f)

@@ -1,7 +1,9 @@
 """``streamkv rollout``: a streaming rollout of the causal DiT on one cache, or all compared.
 
 ``--nproc N`` runs the same rollouts on one process and on ``N`` context-parallel ranks
-(Ulysses, started here) and reports their parity and the cache bytes per rank.
+(Ulysses, started here) and reports their parity and the cache bytes per rank. Under
+``torchrun`` (``torchrun --nproc-per-node N -m streamkv.lab.cli rollout ...``; the environment
+says so) the ranks are torchrun's: the same comparison, printed and written by rank 0.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     kinds = available_caches() if args.compare else (args.cache,)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.nproc != 1:
+            raise ValueError(f"--nproc {args.nproc} under torchrun: the ranks are torchrun's (leave --nproc out)")
+        return _run_context_parallel(args, kinds, console, launcher="torchrun")
     if args.nproc != 1:
         return _run_context_parallel(args, kinds, console)
     streams = args.chunks + max(1, args.chunks // 2)
@@ -73,8 +81,8 @@ def _cache_kwargs(args: argparse.Namespace) -> dict[str, dict]:
     return {"mass": {"tau": args.tau}}
 
 
-def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], console) -> int:
-    """``--nproc N``: the rollouts on one process and on ``N`` ranks; parity and cache bytes."""
+def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], console, launcher: str = "spawn") -> int:
+    """``--nproc N`` or torchrun: the rollouts on one process and on ``N`` ranks; parity and cache bytes."""
     from rich.table import Table
 
     from streamkv.lab.experiments.cp_compare import compare_context_parallel
@@ -87,8 +95,10 @@ def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], cons
         result = compare_context_parallel(
             kinds, nproc=args.nproc, config=args.config, chunks=args.chunks, guidance=args.guidance,
             mode=args.mode, device=args.device, seed=args.seed, cache_kwargs=_cache_kwargs(args),
-            progress=lambda what: status.update(f"running {what}"),
+            progress=lambda what: status.update(f"running {what}"), launcher=launcher,
         )
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     n, cfg = result.world_size, result.config
     console.print(
         f"[bold]{cfg['name']}[/]: {cfg['heads']} heads over {n} ranks ({cfg['heads'] // n} per rank), "

@@ -6,7 +6,8 @@ same weights, prompts and noise seeds. Each stream is two prompts (a reset betwe
 ``chunks`` chunks, then ``chunks // 2``. Reported per cache kind: the largest
 difference of the output latents against the single-process run, whether the ranks
 agree bitwise, and the K/V cache bytes held by one rank against the single process
-(Ulysses: ``1/N``). What ``streamkv rollout --nproc N`` prints and writes.
+(Ulysses: ``1/N``). What ``streamkv rollout --nproc N`` prints and writes; under ``torchrun --nproc-per-node N -m
+streamkv.lab.cli rollout ...`` the ranks are torchrun's (``env://``) instead of spawned here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from streamkv.distributed import ContextParallel, check_split
-from streamkv.distributed.launcher import launch, rank_device
+from streamkv.distributed.launcher import init_from_env, launch, rank_device
 from streamkv.lab.experiments.rollout_compare import stream_config, two_streams
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.rollout import Schedule, StreamingRollout
@@ -103,15 +104,27 @@ def compare_context_parallel(
     schedule: Schedule | None = None,
     cache_kwargs: dict[str, dict[str, Any]] | None = None,
     progress: Callable[[str], None] | None = None,
-) -> CPCompareResult:
+    launcher: str = "spawn",
+) -> CPCompareResult | None:
     """Run each cache kind on one process and on ``nproc`` ranks; see the module docstring.
 
     ``cache_kwargs`` maps a cache kind to extra constructor arguments (e.g.
     ``{"mass": {"tau": 0.05}}``); ``progress`` is called with what starts running.
 
+    ``launcher``: ``"spawn"`` starts the ranks here (:func:`~streamkv.distributed.launch`);
+    ``"torchrun"`` means this process is one rank of a group ``torchrun`` started
+    (``env://``; ``nproc`` is then the group's size): every rank runs the rollouts, rank 0 also
+    runs the single-process reference and returns the result, the other ranks return None.
+
     Raises ``ValueError`` before anything runs if the model's heads or chunk tokens do
     not divide by ``nproc``; ``RuntimeError`` for ``mode="graph"`` with more than one rank.
     """
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher must be 'spawn' or 'torchrun', got {launcher!r}")
+    cp = None
+    if launcher == "torchrun":
+        cp = init_from_env(device)
+        nproc = cp.world_size
     if not caches:
         raise ValueError("caches must name at least one cache kind")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -130,20 +143,32 @@ def compare_context_parallel(
     kwargs = {k: dict((cache_kwargs or {}).get(k, {})) for k in caches}
     args = (config, chunks, guidance, mode, device, seed, schedule, kwargs)
     single = {}
-    for kind in caches:
-        tick = (lambda k=kind: progress(f"{k} (1 process)")) if progress is not None else None
-        single[kind] = _run(None, kind, *args, progress=tick)
+    if cp is None or cp.rank == 0:
+        for kind in caches:
+            tick = (lambda k=kind: progress(f"{k} (1 process)")) if progress is not None else None
+            single[kind] = _run(None, kind, *args, progress=tick)
     if progress is not None:
         progress(f"{nproc} ranks")
     started = time.perf_counter()
-    per_rank = launch(_rank_runs, nproc, tuple(caches), *args, device=device)
+    if cp is None:
+        per_rank = launch(_rank_runs, nproc, tuple(caches), *args, device=device)
+    else:  # this process is one of the ranks: run, then collect every rank's result on rank 0
+        import torch.distributed as dist
+
+        mine = _rank_runs(cp, tuple(caches), *args)
+        per_rank = [None] * nproc
+        dist.all_gather_object(per_rank, {k: {**v, "output": v["output"].cpu()} for k, v in mine.items()})
+        dist.barrier()
+        dist.destroy_process_group()  # every rank leaves the group cleanly before it exits
+        if cp.rank != 0:
+            return None
     wall = time.perf_counter() - started
     first = per_rank[0]
     return CPCompareResult(
         config={
             **stream_config(cfg, chunks, guidance=guidance, mode=mode, device=device, seed=seed, schedule=schedule),
             "parallelism": "ulysses (head-sharded attention, per-rank caches of heads / world_size)",
-            "launch_wall_s": wall, "cache_kwargs": kwargs,
+            "launcher": launcher, "launch_wall_s": wall, "cache_kwargs": kwargs,
         },
         world_size=nproc,
         chunks=chunks,

@@ -1,0 +1,247 @@
+"""streamkv caches in Hugging Face transformers 5.x (``pip install 'streamkv[transformers]'``).
+
+Usage::
+
+    import streamkv.integrations.transformers as skv    # registers attn_implementation="streamkv"
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="streamkv")
+    cache = skv.build_cache(model.config, "ring", sink=4, window=1020, chunk=256,
+                            dtype=model.dtype, device=model.device)
+    out = model.generate(ids, past_key_values=cache, prefill_chunk_size=256, max_new_tokens=64)
+
+Kinds: ``"ring"`` (sinks + window, nothing retained moves), ``"chronological"`` (the same
+tokens, rolled), and the scored per-head policies ``"mass"`` (``tau=``), ``"h2o"`` and
+``"tova"`` (``budget=``, default the largest). :func:`build_cache` sizes any of them for a
+model config at a memory budget (``memory_tokens = sink + window`` slots per layer and key
+head; the buffers are allocated once).
+
+Semantics (every kind). A forward of ``n`` tokens (``1 <= n <= chunk``: the cache's
+``chunk`` is the largest prefill chunk accepted) enters positions ``[e, e + n)``, where ``e``
+is the number of positions entered before (``cache.get_seq_length()``; positions are
+absolute, so RoPE is applied at the stream position before the write). The forward writes the
+``n`` tokens' K/V of every layer first; then each query at position ``p`` attends to the keys
+the cache *holds after that write* whose position is ``<= p``. For the ring and the
+chronological path what is held is ``[sinks | the last window positions]``, i.e.
+``[0, min(sink, e + n)) U [max(sink, e + n - window), e + n)``: a query early in a prefill
+chunk does not see keys that later tokens of the same chunk evicted, so chunked prefill is
+exact for "sink + window attention, evaluated at the end of each chunk" and one-token decode is
+exactly sink + window attention. For the scored kinds what is held is each (layer, key head)'s
+own set (sinks pinned, the newest span protected); evictions happen when the *next* forward
+begins, scored with this forward's attention. The attention runs in the buffer's physical
+order with the mask built from the slot positions and the query positions (occupied and
+``key_pos <= query_pos``): exact in any slot order.
+
+The attention function. The ring's buffer is not in position order, and the scored kinds'
+heads hold different positions, so transformers' masks (indexed by key order, one per
+layer) cannot describe them. ``attn_implementation="streamkv"`` (registered in transformers'
+``AttentionInterface`` on import) calls :func:`streamkv.attention.attend` with
+``causal=True`` on the read each layer's ``cache.update`` hands over (through the attention
+kwargs); it also delivers the scored kinds' attention statistics (no second pass, no model
+patching). Any other attention implementation with a :class:`StreamKVCache` is refused.
+
+Supported: ``generate()`` (greedy and sampling, ``prefill_chunk_size``, streamers, stopping
+criteria), batches without padding (every row at the same positions), forward loops
+``model(ids, past_key_values=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
+``cache.reset()``, ``torch.compile`` of the decode step with the ring (call
+``cache.prepare_step(n)`` before each compiled forward and pass ``position_ids``: no
+recompiles across wraps; without ``prepare_step`` the lifecycle runs in a graph break).
+Models: decoder-only models whose attention modules follow transformers' Llama pattern
+(``cache.update(k, v, layer_idx, kwargs=kwargs)`` then the attention function with those
+kwargs) and only full-attention layers; tested: Llama, Qwen2.
+
+Refused with an error: an ``attention_mask`` with padding (or not covering the stream),
+position ids that are not the stream's next positions (left padding, restarts), beam search
+(``reorder_cache``), ``crop`` (assisted / speculative decoding, rollback), batch expansion
+or selection, offloading, a forward longer than ``chunk``, sliding-window / chunked /
+linear-attention layers, attention logit soft-capping, attention sinks (``s_aux``),
+position bias, packed sequences (``cu_seq_lens``), non-causal attention, attention dropout
+in training, ``output_attentions=True``, K/V requiring grad, encoder-decoder models, and
+any other attention implementation (``get_mask_sizes`` raises).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    from transformers import AttentionInterface
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "streamkv.integrations.transformers needs transformers>=5,<6: pip install 'streamkv[transformers]'"
+    ) from exc
+
+from ..attention import attend
+from ..caches import CACHE_KINDS
+from .transformers_cache import KWARG, Handoff, StreamKVCache, StreamKVLayer
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "KINDS", "StreamKVCache", "StreamKVLayer", "build_cache", "cache_shape",
+    "register", "streamkv_attention",
+]
+
+#: the name to pass as ``attn_implementation``
+ATTN_IMPLEMENTATION = "streamkv"
+#: the cache kinds :func:`build_cache` makes
+KINDS = tuple(CACHE_KINDS)
+
+# kwargs of transformers' attention call that change what attention computes (refused)
+_REFUSED_KWARGS = {
+    "sliding_window": "sliding-window layers (the cache's own window replaces them)",
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks (s_aux)",
+    "position_bias": "position bias",
+    "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
+    "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
+}
+
+
+def streamkv_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function interface over a :class:`StreamKVCache` layer.
+
+    Args:
+        module: the attention module (its ``layer_idx`` must match the read's layer).
+        query: ``[B, H_q, T, D]``, RoPE applied; ``H_q`` a multiple of the key heads.
+        key, value: what the cache's ``update`` returned (the layer's physical buffers).
+        attention_mask: None, or a 2D ``[B, positions entered]`` mask of ones (padding refused).
+        dropout: must be 0 (no attention dropout in training).
+        scaling: the softmax scale (default ``1/sqrt(D)``).
+        kwargs: the attention kwargs; ``kwargs["streamkv"]`` is the layer's handoff.
+
+    Returns:
+        ``(out, None)``: ``out`` ``[B, T, H_q, D]`` in ``query``'s dtype. Nothing is mutated
+        except the scored policies' statistics (delivered by ``attend``) and the cache's
+        attended-layer count.
+    """
+    handoff = kwargs.get(KWARG)
+    if not isinstance(handoff, Handoff):
+        raise RuntimeError(
+            "attn_implementation='streamkv' needs a StreamKVCache (streamkv.integrations.transformers.build_cache) "
+            "passed as past_key_values, and a model that hands its attention kwargs to cache.update"
+        )
+    read, layer = handoff.read, handoff.layer
+    if getattr(module, "layer_idx", layer) != layer:
+        raise RuntimeError(f"the cache read is for layer {layer}, the attention module is layer {module.layer_idx}")
+    if key is not read.keys or value is not read.values:
+        raise RuntimeError(f"layer {layer}: key/value are not the buffers the StreamKVCache returned")
+    for name, what in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the streamkv attention does not support {what} ({name}={kwargs[name]!r} was passed)")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError("the streamkv attention is causal; non-causal attention (is_causal=False) is refused")
+    if kwargs.get("output_attentions"):
+        raise ValueError("the streamkv attention does not return attention weights (output_attentions=True)")
+    if dropout:
+        raise ValueError(f"the streamkv attention has no attention dropout; got dropout={dropout} (model.eval())")
+    if attention_mask is not None:
+        _check_mask(attention_mask, handoff.cache)
+    out, _ = attend(query, read, causal=True, scale=scaling)
+    out = out.transpose(1, 2)
+    handoff.cache.attended(layer, out)
+    return out, None
+
+
+def _check_mask(mask: Tensor, cache: StreamKVCache) -> None:
+    """Accept a 2D mask of ones over every position entered; refuse padding."""
+    end = cache.kv.end
+    if mask.dim() != 2 or mask.shape[-1] != end:
+        raise ValueError(
+            f"attention_mask must be None or 2D [batch, {end}] (every position entered) without padding, got "
+            f"{'4D custom mask' if mask.dim() == 4 else tuple(mask.shape)}"
+        )
+    if not bool(mask.bool().all()):
+        raise ValueError("attention_mask has padding (zeros): StreamKVCache refuses padded batches (use batch 1 or "
+                         "prompts of equal length)")
+
+
+def register() -> None:
+    """Register :func:`streamkv_attention` as ``attn_implementation="streamkv"`` (done on import;
+    idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, streamkv_attention)
+
+
+register()
+
+
+def cache_shape(config: Any, batch_size: int, slots: int) -> tuple[int, int, int, int]:
+    """``(batch_size, key_value_heads, slots, head_dim)``: one layer's key buffer for a model
+    config (its text decoder); refuses what the cache cannot serve.
+
+    Raises:
+        ValueError: an encoder-decoder model, or layers that are not all full attention.
+    """
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"encoder-decoder models are not supported ({type(cfg).__name__})")
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"every layer must be full attention for StreamKVCache; {type(cfg).__name__} has layer types "
+                         f"{sorted(set(layer_types))}")
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    return (batch_size, kv_heads, slots, head_dim)
+
+
+def build_cache(
+    config: Any,
+    kind: str,
+    *,
+    chunk: int,
+    window: int | None = None,
+    memory_tokens: int | None = None,
+    sink: int = 4,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    on_attention: Any = None,
+    **policy_params: Any,
+) -> StreamKVCache:
+    """A :class:`StreamKVCache` of ``kind`` for a model config.
+
+    Args:
+        config: the model's config (``model.config``); its text decoder is used.
+        kind: one of :data:`KINDS` (``"ring"``, ``"chronological"``, ``"mass"``, ``"h2o"``, ``"tova"``).
+        chunk: the largest forward (prefill chunk) in tokens; decode steps are 1.
+        window, memory_tokens: exactly one: the window (slots besides the sinks), or the
+            slots per layer and key head in all (``memory_tokens = sink + window``).
+        sink: pinned first positions.
+        batch_size, dtype, device: of the K/V buffers (``dtype``: the model's compute dtype).
+        on_attention: see :class:`StreamKVCache`.
+        policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
+
+    The buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window, head_dim]``
+    (``cache.kv.nbytes``). Raises ``ValueError``/``TypeError`` naming the bad size, as the
+    core does (e.g. scored kinds need ``window >= 2 * chunk``).
+    """
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    if (window is None) == (memory_tokens is None):
+        raise TypeError(f"give exactly one of window= and memory_tokens=, got window={window!r}, "
+                        f"memory_tokens={memory_tokens!r}")
+    if window is None:
+        if isinstance(memory_tokens, bool) or not isinstance(memory_tokens, int) or memory_tokens <= sink:
+            raise ValueError(f"memory_tokens must be an int > sink={sink}, got {memory_tokens!r}")
+        window = memory_tokens - sink
+    if isinstance(sink, bool) or not isinstance(sink, int) or isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"sink and window must be ints, got sink={sink!r}, window={window!r}")
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    k_shape = cache_shape(cfg, batch_size, sink + window)
+    kv = CACHE_KINDS[kind](
+        k_shape, k_shape, seq_dim=2, head_dim=1, sink=sink, window=window, chunk=chunk,
+        num_layers=cfg.num_hidden_layers, dtype=dtype, device=device, **policy_params,
+    )
+    return StreamKVCache(kv, on_attention=on_attention)

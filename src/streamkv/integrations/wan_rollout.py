@@ -1,0 +1,157 @@
+"""``WanStreamingRollout``: the Self-Forcing chunk loop over a :class:`StreamingWan`.
+
+For each chunk ``c`` (as :class:`streamkv.rollout.StreamingRollout` does for the built-in DiT)::
+
+    stream.begin_chunk(c)                       every branch reserves the chunk's slots
+    x = noise
+    for sigma_i in schedule.sigmas():           flow matching; Wan's timestep is 1000 * sigma
+        flow = Wan(x, 1000 sigma_i)  [cond, uncond]     every pass rewrites the chunk's slots
+        x0 = x - sigma_i * flow
+        x = (1 - sigma_next) * x0 + sigma_next * fresh noise
+    Wan(x0, t=0)  [cond, uncond]                the clean pass writes the chunk's final K/V
+    stream.commit_chunk(c)
+
+Guidance ``g > 1`` runs the ``uncond`` branch on its own cache with the negative prompt:
+``flow = flow_u + g * (flow_c - flow_u)``. The branches share nothing but the latents.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..rollout import Schedule
+from ..storage import check_int
+
+if TYPE_CHECKING:
+    from .diffusers import StreamingWan
+
+__all__ = ["WanStreamingRollout"]
+
+
+class WanStreamingRollout:
+    """Flow-matching rollout of a streamed diffusers Wan, chunk by chunk (module docstring).
+
+    Args:
+        stream: a :class:`~streamkv.integrations.diffusers.StreamingWan` (attached); with
+            ``guidance > 1`` its caches need the branches ``("cond", "uncond")``.
+        guidance: classifier-free guidance scale (``>= 1``; ``1`` runs ``cond`` only).
+        schedule: denoising timesteps and shift (:class:`~streamkv.rollout.Schedule`).
+        seed: seed of the noise generator (on the model's device).
+
+    Attributes:
+        chunk_seconds: wall time of each generated chunk (host clock; synchronised on CUDA).
+        forwards: model forwards so far (all branches).
+
+    Raises:
+        TypeError: ``stream`` is not a StreamingWan.
+        ValueError: a guidance below 1 or not finite; guidance without an ``uncond`` branch.
+    """
+
+    def __init__(self, stream: StreamingWan, *, guidance: float = 1.0, schedule: Schedule | None = None,
+                 seed: int = 0) -> None:
+        from .diffusers import StreamingWan
+
+        if not isinstance(stream, StreamingWan):
+            raise TypeError(f"stream must be a StreamingWan, got {type(stream).__name__}")
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
+                or guidance < 1.0:
+            raise ValueError(f"guidance must be a finite number >= 1.0, got {guidance!r}")
+        self.branches = ("cond", "uncond") if guidance > 1.0 else ("cond",)
+        missing = [b for b in self.branches if b not in stream.caches.branches]
+        if missing:
+            raise ValueError(f"guidance {guidance} needs cache branches {list(self.branches)}; the stream has "
+                             f"{list(stream.caches.branches)} (build it with branches=('cond', 'uncond'))")
+        self.stream = stream
+        self.guidance = float(guidance)
+        self.schedule = schedule or Schedule()
+        param = stream.model.blocks[0].attn1.to_k.weight
+        self.dtype, self.device = param.dtype, param.device
+        self._gen = torch.Generator(device=self.device).manual_seed(check_int("seed", seed))
+        self._prompts: dict[str, Tensor] = {}
+        self._chunk = 0
+        self.chunk_seconds: list[float] = []
+        self.forwards = 0
+
+    def set_prompt(self, prompt_embeds: Tensor, negative_prompt_embeds: Tensor | None = None, *,
+                   seed: int | None = None) -> None:
+        """Start a new stream: reset the rollout's caches and take the text states
+        (``[B, text_len, text_dim]``; the negative ones are required when guidance > 1).
+        ``seed`` re-seeds the noise (otherwise its sequence continues)."""
+        prompts = {"cond": prompt_embeds}
+        if self.guidance > 1.0:
+            if negative_prompt_embeds is None:
+                raise ValueError(f"guidance {self.guidance} > 1 needs negative_prompt_embeds (the uncond branch)")
+            prompts["uncond"] = negative_prompt_embeds
+        for name, t in prompts.items():
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != self.stream.batch:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{name} prompt states must be [B={self.stream.batch}, text_len, text_dim], got {got}")
+        self.stream.reset(self.branches)
+        self._prompts = {b: t.to(device=self.device, dtype=self.dtype) for b, t in prompts.items()}
+        self._chunk = 0
+        if seed is not None:
+            self._gen.manual_seed(check_int("seed", seed))
+
+    @property
+    def chunk_idx(self) -> int:
+        """Index of the next chunk of the current stream."""
+        return self._chunk
+
+    @torch.no_grad()
+    def generate_chunk(self, noise: Tensor | None = None) -> Tensor:
+        """Denoise the next chunk and commit it; returns its clean latents
+        ``[B, in_channels, frames_per_chunk, height, width]`` (the model's dtype).
+
+        A chunk whose attempt failed after ``begin_chunk`` is still open: the next call
+        rewrites it."""
+        if not self._prompts:
+            raise RuntimeError("set_prompt(...) before generating")
+        shape = self.stream.latent_shape
+        if noise is not None:
+            if not isinstance(noise, Tensor) or tuple(noise.shape) != shape:
+                got = tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__
+                raise ValueError(f"noise must have the chunk's latent shape {shape}, got {got}")
+            noise = noise.to(device=self.device, dtype=self.dtype)
+        c = self._chunk
+        t0 = time.perf_counter()
+        if self.stream.caches[self.branches[0]].open_chunk != c:
+            self.stream.begin_chunk(c, self.branches)
+        x = noise if noise is not None else self._noise(shape)
+        sigmas = self.schedule.sigmas()
+        x0 = x
+        for i, sigma in enumerate(sigmas):
+            x0 = x - sigma * self._flow(x, 1000.0 * sigma)
+            if i + 1 < len(sigmas):
+                x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * self._noise(shape)
+        self._flow(x0, 0.0)  # the clean pass writes the chunk's final K/V
+        self.stream.commit_chunk(c, self.branches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.chunk_seconds.append(time.perf_counter() - t0)
+        self._chunk += 1
+        return x0
+
+    def run(self, num_chunks: int) -> Tensor:
+        """Generate ``num_chunks`` chunks; returns ``[B, C, num_chunks * frames_per_chunk, H, W]``."""
+        num_chunks = check_int("num_chunks", num_chunks, 1)
+        last = self._chunk + num_chunks - 1
+        if last >= self.stream.max_chunks:
+            raise ValueError(f"chunk {last} is past the RoPE horizon of {self.stream.max_chunks} chunks; start a new "
+                             f"prompt")
+        return torch.cat([self.generate_chunk() for _ in range(num_chunks)], dim=2)
+
+    def _noise(self, shape: Sequence[int]) -> Tensor:
+        return torch.randn(shape, generator=self._gen, device=self.device, dtype=torch.float32).to(self.dtype)
+
+    def _flow(self, x: Tensor, t: float) -> Tensor:
+        flows = {b: self.stream.forward(b, x, t, self._prompts[b]) for b in self.branches}
+        self.forwards += len(self.branches)
+        if self.guidance == 1.0:
+            return flows["cond"]
+        return flows["uncond"] + self.guidance * (flows["cond"] - flows["uncond"])
