@@ -78,8 +78,9 @@ class Schedule:
             raise ValueError(f"timesteps must be non-empty and in (0, 1000], got {self.timesteps}")
         if any(a <= b for a, b in zip(ts, ts[1:])):
             raise ValueError(f"timesteps must decrease strictly, got {self.timesteps}")
-        if not self.shift > 0:
-            raise ValueError(f"shift must be > 0, got {self.shift}")
+        if isinstance(self.shift, bool) or not isinstance(self.shift, (int, float)) or not (
+                math.isfinite(self.shift) and self.shift > 0):
+            raise ValueError(f"shift must be a finite number > 0, got {self.shift!r}")
         object.__setattr__(self, "timesteps", ts)
 
     def sigmas(self) -> list[float]:

@@ -14,6 +14,8 @@ position beyond it raises ``ValueError`` instead of aliasing to an earlier angle
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,20 @@ class Rope3D:
     """
 
     def __init__(self, head_dim: int, grid_h: int, grid_w: int, *, max_frames: int = 1024, theta: float = 10000.0) -> None:
-        if head_dim < 6 or head_dim % 2:
+        if isinstance(head_dim, int) and (head_dim < 6 or head_dim % 2):
             raise ValueError(f"head_dim must be even and >= 6, got {head_dim}")
-        for name, v in (("grid_h", grid_h), ("grid_w", grid_w), ("max_frames", max_frames)):
+        for name, v in (("head_dim", head_dim), ("grid_h", grid_h), ("grid_w", grid_w), ("max_frames", max_frames)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
+            raise ValueError(f"theta must be a finite number > 1 (the RoPE base), got {theta!r}")
+        if max_frames * grid_h * grid_w > 2**53:
+            raise ValueError(
+                f"max_frames x tokens per frame = {max_frames * grid_h * grid_w} positions: above 2**53 positions "
+                f"stop being exact in float64 and distinct positions would share an angle"
+            )
         self.head_dim = head_dim
         self.grid_h, self.grid_w = grid_h, grid_w
         self.tokens_per_frame = grid_h * grid_w

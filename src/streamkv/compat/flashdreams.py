@@ -14,8 +14,15 @@ device, dtype``), methods and properties (``before_update``, ``update``,
   the two layouts coincide (before the first eviction) and raises ``RuntimeError``
   afterwards, rather than name slots the chunk does not occupy.
 - Misuse raises ``ValueError`` / ``TypeError`` / ``RuntimeError`` (not
-  ``AssertionError``) and leaves the cache unchanged.
+  ``AssertionError``, which ``python -O`` strips) naming the original method
+  (``before_update``, ``update``, ``after_update``), and leaves the cache unchanged.
 - ``(sink_size + window_size) % chunk_size`` need not be 0.
+- ``update`` accepts what the original's slice assignment accepts of dtypes and devices: K/V
+  of another floating dtype are cast to the cache's, K/V on another device are copied over.
+  It does not broadcast: K/V must have the chunk's exact shape (the original would broadcast
+  a size-1 dimension silently). Sizes may be numpy integers, as in the original.
+- On a CPU-only build the default ``device="cuda"`` raises ``RuntimeError`` saying so (pass
+  ``device="cpu"``), where the original fails inside ``torch.empty``.
 
 This module does not import flashdreams.
 """
@@ -26,8 +33,21 @@ import torch
 from torch import Tensor
 
 from ..caches import RingCache
+from ..storage import check_int
 
 __all__ = ["CircularBlockKVCache"]
+
+#: the ring's method names -> the original's, for error messages
+_NAMES = {"begin_chunk": "before_update", "commit_chunk": "after_update", "write()": "update()",
+          "begin_tokens": "before_update", "commit()": "after_update()"}
+
+
+def _as_original(exc: Exception) -> Exception:
+    """The same exception with the original class's method names in its message."""
+    msg = str(exc)
+    for ours, theirs in _NAMES.items():
+        msg = msg.replace(ours, theirs)
+    return type(exc)(msg)
 
 
 class CircularBlockKVCache:
@@ -44,12 +64,17 @@ class CircularBlockKVCache:
         device: torch.device | str = torch.device("cuda"),
         dtype: torch.dtype = torch.float16,
     ) -> None:
-        self._ring = RingCache(
-            tuple(k_shape), tuple(v_shape), seq_dim=seq_dim, sink=sink_size,
-            window=window_size, chunk=chunk_size, dtype=dtype, device=device,
-        )
-        self.k_shape = tuple(k_shape)
-        self.v_shape = tuple(v_shape)
+        chunk_size, window_size, sink_size = (check_int(n, x) for n, x in (
+            ("chunk_size", chunk_size), ("window_size", window_size), ("sink_size", sink_size)))
+        try:
+            self._ring = RingCache(
+                tuple(k_shape), tuple(v_shape), seq_dim=seq_dim, sink=sink_size,
+                window=window_size, chunk=chunk_size, dtype=dtype, device=device,
+            )
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} (pass device='cpu' on a CPU-only machine)") from None
+        self.k_shape = tuple(self._ring.k_shape)
+        self.v_shape = tuple(self._ring.v_shape)
         self.seq_dim = self._ring.seq_dim
         self.chunk_size = chunk_size
         self.window_size = window_size
@@ -77,17 +102,34 @@ class CircularBlockKVCache:
     # --------------------------------------------------------- lifecycle
     def before_update(self, chunk_idx: int) -> None:
         """Reserve the chunk's slots: ``chunk_idx`` is the next chunk or the last one again."""
-        advance = self._ring.check_begin(chunk_idx)
-        self._ring.begin_chunk(chunk_idx)
+        try:
+            advance = self._ring.check_begin(chunk_idx)
+            self._ring.begin_chunk(chunk_idx)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _as_original(exc) from None
         self._reopened = not advance
 
     def update(self, k: Tensor, v: Tensor) -> None:
-        """Write the chunk's K/V into its slots (any number of times per chunk)."""
-        self._ring.write(k, v)
+        """Write the chunk's K/V into its slots (any number of times per chunk); K/V of another
+        floating dtype or device are converted, as the original's slice assignment does."""
+        k, v = (self._convert(x) for x in (k, v))
+        try:
+            self._ring.write(k, v)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _as_original(exc) from None
+
+    def _convert(self, x: Tensor) -> Tensor:
+        if isinstance(x, Tensor) and x.is_floating_point() and x.layout == torch.strided and x.device.type != "meta" and (
+                x.dtype != self.dtype or x.device != self.device):
+            return x.to(device=self.device, dtype=self.dtype)
+        return x
 
     def after_update(self, chunk_idx: int) -> None:
         """Commit the chunk."""
-        self._ring.commit_chunk(chunk_idx)
+        try:
+            self._ring.commit_chunk(chunk_idx)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _as_original(exc) from None
 
     def reset(self) -> None:
         self._ring.reset()

@@ -1,0 +1,282 @@
+"""streamkv caches inside transformers 5.x, on the real model classes (tiny random Llama and
+Qwen2 configs with grouped-query attention):
+
+(a) with a window that holds everything, ``generate()`` with every kind gives DynamicCache's
+    tokens and logits (float32 rounding), in one prefill and in prefill chunks;
+(b) beyond the window, the ring (and the chronological path) equal a float64 reference of
+    sink + window attention written here (full K/V history, a mask over positions), over
+    several wraps, one token at a time and in prefill chunks, in forward loops and in
+    ``generate()``; a control shows the reference differs from full attention there;
+(c) a compiled ring decode step does not recompile across wraps and matches eager;
+and the refusals of :mod:`streamkv.integrations.transformers`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from streamkv.integrations.transformers import KINDS, build_cache
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# scored kinds with parameters that evict nothing while the window holds everything
+PARAMS = {"mass": {"tau": 1e-9}}
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+FP32_TOL = 1e-5  # logits are O(1); measured max diffs are ~1e-7
+FP64_TOL = 1e-10  # measured max diffs are ~1e-15
+
+
+def tiny(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer model: 6 query heads over 2 key/value heads (GQA), head_dim 8; weights drawn
+    with initializer_range 0.3 so that attention is far from uniform."""
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(0)
+    config = config_cls(
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    return model_cls(config).to(dtype).eval()
+
+
+def with_attention(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    out = copy.deepcopy(model)
+    out.set_attn_implementation(name)
+    return out
+
+
+def reference_attention(sink: int, window: int) -> str:
+    """Register (once) and name a float64 sink + window attention over a DynamicCache's full
+    history: the keys are in position order ``0 .. E-1`` (E entered so far, this forward's T
+    queries at ``E-T .. E-1``); a query at ``p`` sees key ``j`` iff ``j <= p`` and ``j`` is held
+    after this forward's write: ``j < sink`` or ``j >= E - window``."""
+    name = f"skv-test-reference-{sink}-{window}"
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        assert attention_mask is None and dropout == 0.0
+        T, E = query.shape[2], key.shape[2]
+        q_pos = torch.arange(E - T, E).view(-1, 1)
+        k_pos = torch.arange(E).view(1, -1)
+        visible = ((k_pos < sink) | (k_pos >= E - window)) & (k_pos <= q_pos)
+        groups = query.shape[1] // key.shape[1]
+        k = key.double().repeat_interleave(groups, dim=1)
+        v = value.double().repeat_interleave(groups, dim=1)
+        scores = (query.double() @ k.transpose(-1, -2)) * scaling
+        out = scores.masked_fill(~visible, -math.inf).softmax(-1) @ v
+        return out.transpose(1, 2).to(query.dtype), None
+
+    AttentionInterface.register(name, attention)
+    return name
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------ (a) nothing evicted
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_generate_equals_dynamic_cache_when_the_window_holds_everything(arch):
+    base = tiny(arch)
+    ours = with_attention(base, "streamkv")
+    prompt = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    ref = base.generate(prompt, cache=DynamicCache(config=base.config), max_new_tokens=12, **GEN)
+    assert ref.sequences.shape == (2, 22)
+    for kind in KINDS:
+        for prefill_chunk in (None, 4):  # one prefill forward of 10 tokens, or chunks of 4, 4, 2
+            cache = build_cache(base.config, kind, sink=2, window=30, chunk=10, batch_size=2, **PARAMS.get(kind, {}))
+            out = ours.generate(prompt, cache=cache, max_new_tokens=12, prefill_chunk_size=prefill_chunk, **GEN)
+            assert torch.equal(out.sequences, ref.sequences), (kind, prefill_chunk)
+            assert max_diff(out.logits, ref.logits) <= FP32_TOL, (kind, prefill_chunk)
+            # nothing was evicted: 21 positions entered, 32 slots
+            assert cache.get_seq_length() == 21 and cache.kv.num_valid == 21
+            if cache.kv.needs_queries:
+                assert cache.kv.report()["evicted_total"] == 0
+
+
+def test_on_attention_reports_each_layers_attention_output():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    seen: dict[int, torch.Tensor] = {}
+    cache = build_cache(base.config, "ring", sink=2, window=16, chunk=8,
+                        on_attention=lambda layer, out: seen.__setitem__(layer, out.clone()))
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    want: dict[int, torch.Tensor] = {}
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: want.__setitem__(i, args[0]))
+             for i, layer in enumerate(base.model.layers)]
+    with torch.no_grad():
+        base(input_ids=ids, cache=DynamicCache(config=base.config))
+        ours(input_ids=ids, cache=cache)
+    for h in hooks:
+        h.remove()
+    assert sorted(seen) == [0, 1]
+    for i in (0, 1):
+        assert seen[i].shape == (1, 7, 6, 8)
+        assert float((seen[i].reshape(1, 7, -1) - want[i]).abs().max()) <= FP32_TOL
+
+
+# ----------------------------------------------------------- (b) beyond the window
+SCHEDULES = {
+    "decode": [5] + [1] * 70,  # a short prefill, then one token per forward
+    "prefill_chunks": [6, 1, 4, 6, 3, 1, 6, 5, 2, 6, 6, 1, 1, 6, 4, 6, 3, 5],  # spans of 1..chunk
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("kind", ["ring", "chronological"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_forward_loop_beyond_the_window_equals_float64_reference(arch, kind, schedule):
+    sink, window, chunk = 3, 13, 6
+    base = tiny(arch, torch.float64)
+    ours = with_attention(base, "streamkv")
+    ref = with_attention(base, reference_attention(sink, window))
+    spans = SCHEDULES[schedule]
+    ids = torch.randint(3, 96, (1, sum(spans)), generator=torch.Generator().manual_seed(3))
+    cache = build_cache(base.config, kind, sink=sink, window=window, chunk=chunk, dtype=torch.float64)
+    ref_cache = DynamicCache(config=base.config)
+    worst, start = 0.0, 0
+    with torch.no_grad():
+        for n in spans:
+            got = ours(input_ids=ids[:, start:start + n], cache=cache).logits
+            want = ref(input_ids=ids[:, start:start + n], cache=ref_cache).logits
+            worst = max(worst, float((got - want).abs().max()))
+            start += n
+    assert worst <= FP64_TOL
+    assert cache.get_seq_length() == start == 71
+    assert cache.kv.layout.ring_wraps(start) >= 5  # (71 - 3 - 1) // 13
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_generate_beyond_the_window_equals_float64_reference(arch):
+    sink, window, chunk = 2, 11, 5
+    base = tiny(arch, torch.float64)
+    ours = with_attention(base, "streamkv")
+    ref = with_attention(base, reference_attention(sink, window))
+    prompt = torch.randint(3, 96, (1, 23), generator=torch.Generator().manual_seed(4))  # 23 > sink + window
+    kw = dict(max_new_tokens=40, prefill_chunk_size=chunk, **GEN)
+    cache = build_cache(base.config, "ring", sink=sink, window=window, chunk=chunk, dtype=torch.float64)
+    got = ours.generate(prompt, cache=cache, **kw)
+    want = ref.generate(prompt, cache=DynamicCache(config=base.config), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_diff(got.logits, want.logits) <= FP64_TOL
+    assert cache.kv.wraps >= 4  # 62 positions entered
+    # control: full attention is measurably different here, so the comparison can fail
+    full = base.generate(prompt, cache=DynamicCache(config=base.config), **kw)
+    assert max_diff(full.logits[:1], want.logits[:1]) > 1e-3
+
+
+# -------------------------------------------------------------------- (c) compile
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepare_step_fullgraph", "lifecycle_in_graph_break"])
+def test_compiled_ring_decode_step_does_not_recompile_across_wraps(prepared):
+    torch._dynamo.reset()
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    sizes = dict(sink=2, window=7, chunk=4)
+    cache, eager_cache = (build_cache(base.config, "ring", **sizes) for _ in range(2))
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(5))
+    counter = CompileCounter()
+
+    def decode(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return ours(input_ids=tok, position_ids=pos, cache=cache).logits
+
+    step = torch.compile(decode, backend=counter, fullgraph=prepared)
+    worst, frames = 0.0, None
+    with torch.no_grad():
+        ours(input_ids=ids[:, :4], cache=cache)
+        ours(input_ids=ids[:, :4], cache=eager_cache)
+        for p in range(4, 40):
+            tok, pos = ids[:, p:p + 1], torch.tensor([[p]])
+            if prepared:
+                cache.prepare_step(1)
+            got = step(tok, pos)
+            want = ours(input_ids=tok, cache=eager_cache).logits
+            worst = max(worst, float((got - want).abs().max()))
+            if frames is None:
+                frames = counter.frame_count
+    assert frames >= 1 and counter.frame_count == frames  # compiled once, reused across every wrap
+    assert cache.kv.wraps >= 4  # (40 - 2 - 1) // 7
+    assert worst <= FP32_TOL
+    assert cache.is_compileable
+
+
+# ---------------------------------------------------------------------- refusals
+def test_another_attention_implementation_is_refused_before_any_write():
+    base = tiny("llama")  # sdpa
+    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="attn_implementation='streamkv'"):
+        base(input_ids=torch.tensor([[5, 6]]), cache=cache)
+    assert cache.get_seq_length() == 0
+
+
+def test_padding_and_wrong_positions_are_refused():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    left_padded = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="position_ids must be the stream's next positions"):
+        ours.generate(ids, attention_mask=left_padded, cache=cache, max_new_tokens=2)
+    assert cache.get_seq_length() == 0  # refused before anything was written
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="padding"):
+            ours(input_ids=ids, attention_mask=left_padded, cache=cache)
+        # refused inside the forward: the span is incomplete, and the cache says so until reset
+        with pytest.raises(RuntimeError, match="call reset"):
+            ours(input_ids=ids, cache=cache)
+        cache.reset()
+        ours(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"next positions \[3, 4\)"):
+            ours(input_ids=ids[:, :1], position_ids=torch.tensor([[7]]), cache=cache)
+        assert cache.get_seq_length() == 3
+
+
+def test_a_forward_longer_than_chunk_is_refused_and_changes_nothing():
+    base = tiny("qwen2")
+    ours = with_attention(base, "streamkv")
+    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="chunk=4"):
+        ours(input_ids=torch.arange(3, 8).view(1, 5), cache=cache)
+    assert cache.get_seq_length() == 0 and not cache.kv.is_open
+
+
+def test_beam_search_crop_and_batch_changes_are_refused():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
+    with pytest.raises(RuntimeError, match="beam search"):
+        ours.generate(torch.tensor([[5, 6, 7]]), cache=cache, num_beams=2, max_new_tokens=3, do_sample=False)
+    for call in (lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2),
+                 lambda: cache.batch_select_indices(torch.tensor([0]))):
+        with pytest.raises(RuntimeError, match="does not support"):
+            call()
+
+
+def test_configs_and_sizes_the_cache_cannot_serve_are_refused():
+    config_cls, _ = ARCHS["qwen2"]
+    sliding = config_cls(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0)
+    with pytest.raises(ValueError, match="full attention"):
+        build_cache(sliding, "ring", sink=2, window=8, chunk=4)
+    config = tiny("llama").config
+    with pytest.raises(ValueError, match="kind must be one of"):
+        build_cache(config, "lru", sink=2, window=8, chunk=4)
+    with pytest.raises(TypeError, match="exactly one of window= and memory_tokens="):
+        build_cache(config, "ring", sink=2, window=8, memory_tokens=10, chunk=4)
+    with pytest.raises(ValueError, match="window"):
+        build_cache(config, "h2o", sink=2, window=6, chunk=4)  # scored kinds need window >= 2 * chunk
+    cache = build_cache(config, "tova", memory_tokens=24, sink=4, chunk=4)
+    assert cache.kv.layout.capacity == 24 and cache.kv.k_shape == (1, 2, 24, 8)
+    assert cache.kv.budget == 16 and not cache.is_compileable
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, dtype=torch.float64)
+    with torch.no_grad(), pytest.raises(TypeError, match="dtype"):
+        ours(input_ids=torch.tensor([[5, 6]]), cache=cache)
