@@ -27,7 +27,7 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2F
 # scored kinds with parameters that evict nothing while the window holds everything
 PARAMS = {"mass": {"tau": 1e-9}}
 GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
-FP32_TOL = 1e-5  # logits are O(1); measured max diffs are ~1e-7
+FP32_TOL = 5e-5  # an absolute cap: logits reach |8| here and float32 rounding through the model is ~1e-5
 FP64_TOL = 1e-10  # measured max diffs are ~1e-15
 
 
@@ -86,12 +86,17 @@ def test_generate_equals_dynamic_cache_when_the_window_holds_everything(arch):
     prompt = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
     ref = base.generate(prompt, cache=DynamicCache(config=base.config), max_new_tokens=12, **GEN)
     assert ref.sequences.shape == (2, 22)
+    # the rounding scale: transformers' own eager attention against its sdpa, same cache
+    eager = with_attention(base, "eager").generate(prompt, cache=DynamicCache(config=base.config), max_new_tokens=12,
+                                                   **GEN)
+    rounding = max_diff(eager.logits, ref.logits)
+    assert 0 < rounding <= FP32_TOL
     for kind in KINDS:
         for prefill_chunk in (None, 4):  # one prefill forward of 10 tokens, or chunks of 4, 4, 2
             cache = build_cache(base.config, kind, sink=2, window=30, chunk=10, batch_size=2, **PARAMS.get(kind, {}))
             out = ours.generate(prompt, cache=cache, max_new_tokens=12, prefill_chunk_size=prefill_chunk, **GEN)
             assert torch.equal(out.sequences, ref.sequences), (kind, prefill_chunk)
-            assert max_diff(out.logits, ref.logits) <= FP32_TOL, (kind, prefill_chunk)
+            assert max_diff(out.logits, ref.logits) <= min(4 * rounding, FP32_TOL), (kind, prefill_chunk)
             # nothing was evicted: 21 positions entered, 32 slots
             assert cache.get_seq_length() == 21 and cache.kv.num_valid == 21
             if cache.kv.needs_queries:

@@ -1,5 +1,8 @@
 """``streamkv rollout``: a streaming rollout of the causal DiT on one cache, or all compared.
 
+``--model diffusers-wan`` runs diffusers' ``WanTransformer3DModel`` (random weights) streamed
+through the caches instead (:mod:`streamkv.lab.experiments.diffusers_wan`).
+
 ``--nproc N`` runs the same rollouts on one process and on ``N`` context-parallel ranks
 (Ulysses, started here) and reports their parity and the cache bytes per rank. Under
 ``torchrun`` (``torchrun --nproc-per-node N -m streamkv.lab.cli rollout ...``; the environment
@@ -13,7 +16,15 @@ import argparse
 CACHES = ("chronological", "ring")
 
 
+MODELS = ("dit", "diffusers-wan")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", choices=MODELS, default="dit",
+        help="dit: the built-in causal DiT (default); diffusers-wan: diffusers' WanTransformer3DModel streamed "
+        "through streamkv (random weights; needs the diffusers extra; eager, one process)",
+    )
     p.add_argument("--cache", default="ring", help="cache kind when not comparing (default ring)")
     p.add_argument("--compare", action="store_true", help="run every cache kind on the same weights and noise")
     p.add_argument("--chunks", type=int, default=8, help="chunks in the first stream (default 8)")
@@ -49,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     kinds = available_caches() if args.compare else (args.cache,)
+    if args.model == "diffusers-wan":
+        return _run_diffusers_wan(args, kinds, console)
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -73,6 +86,30 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_runs(result, args.plot)
         console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_diffusers_wan(args: argparse.Namespace, kinds: tuple[str, ...], console) -> int:
+    """``--model diffusers-wan``: the table and JSON of :mod:`streamkv.lab.experiments.diffusers_wan`."""
+    import os
+
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
+    from streamkv.lab.experiments.diffusers_wan import print_wan_tables, run_diffusers_wan
+
+    distributed = args.nproc != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    for flag, bad in (("--nproc / torchrun", distributed), ("--mode", args.mode != "eager"), ("--plot", bool(args.plot))):
+        if bad:
+            raise ValueError(f"{flag} is not available with --model diffusers-wan (eager, one process, no plot)")
+    with console.status("") as status:
+        result = run_diffusers_wan(
+            kinds, config=args.config, chunks=args.chunks, guidance=args.guidance, device=args.device,
+            seed=args.seed, cache_kwargs=_cache_kwargs(args), progress=lambda k: status.update(f"running {k}"),
+        )
+    print_wan_tables(console, result)
+    write_json(args.json, {**result.to_json(), "versions": environment()})
+    if args.json:
+        console.print(f"wrote {args.json}")
     return 0
 
 

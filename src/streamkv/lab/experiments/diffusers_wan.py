@@ -24,7 +24,7 @@ import torch
 from streamkv.layout import CacheLayout
 from streamkv.rollout import Schedule
 
-__all__ = ["WAN_CONFIGS", "WanKindRun", "WanRunResult", "run_diffusers_wan"]
+__all__ = ["WAN_CONFIGS", "WanKindRun", "WanRunResult", "run_diffusers_wan", "print_wan_tables"]
 
 #: Model configs (``WanTransformer3DModel`` keyword arguments) and stream geometry (latent frames).
 WAN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -159,3 +159,29 @@ def run_diffusers_wan(
     }
     return WanRunResult(cfg, runs, {k: float((outputs[k] - first).abs().max()) for k in kinds[1:]},
                         float(first.abs().max()))
+
+
+def print_wan_tables(console, result: WanRunResult) -> None:
+    """The run's header line and per-kind table (rich console)."""
+    from rich.table import Table
+
+    c = result.config
+    console.print(
+        f"[bold]diffusers-wan {c['name']}[/] (diffusers {c['diffusers']}, {c['weights']} weights): "
+        f"{c['num_layers']} layers, {c['num_attention_heads']} heads x {c['attention_head_dim']}; chunks of "
+        f"{c['frames_per_chunk']} frames = {c['chunk_tokens']} tokens, sink {c['sink_tokens']}, window "
+        f"{c['window_tokens']} tokens; {c['chunks']} chunks, guidance {c['guidance']}, {c['device']}; first eviction "
+        f"at chunk {c['first_eviction_chunk']}, ring wraps {c['ring_wraps']}x"
+    )
+    table = Table(title="per cache kind (latency: median over chunks)")
+    for col in ("cache", "chunk ms", "cache MiB", "forwards", "|diff| vs first", "reference |diff|", "masks"):
+        table.add_column(col, justify="left" if col in ("cache", "masks") else "right")
+    first = next(iter(result.runs))
+    for kind, run in result.runs.items():
+        diff = "-" if kind == first else f"{result.max_abs_diff[kind]:.2e}"
+        ref = "not checked" if run.reference_max_abs_diff is None else f"{run.reference_max_abs_diff:.2e}"
+        table.add_row(kind, f"{median(run.chunk_latency_ms):.1f}", f"{run.cache_bytes / 2**20:.2f}", str(run.forwards),
+                      diff, ref, run.reference_masks or "-")
+    console.print(table)
+    console.print(f"output scale (max |clean latent| of {first}): {result.output_scale:.3f}; reference = one forward "
+                  f"of the same model over the clean context and the chunk with a block-causal mask")
