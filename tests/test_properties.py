@@ -121,8 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.written = False
 
     @precondition(lambda self: not self.cache.is_open and self.cache.end % self.chunk == 0
-                  and self.cache.next_chunk > 0 and self.cache.storage is not None
-                  and self.cache._span == self.chunk)
+                  and self.cache.last_span is not None and self.cache.last_span[1] == self.chunk)
     @rule()
     def begin_again(self):
         self.cache.begin_chunk(self.cache.next_chunk - 1)

@@ -21,7 +21,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from streamkv.integrations.transformers import KINDS, build_cache
+from streamkv.integrations.transformers import KINDS, StreamKVCache, build_cache
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # scored kinds with parameters that evict nothing while the window holds everything
@@ -39,7 +39,7 @@ def tiny(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = config_cls(
         vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=None, eos_token_id=None,  # no early stop: generate() runs every step
     )
     return model_cls(config).to(dtype).eval()
 
@@ -93,7 +93,7 @@ def test_generate_equals_dynamic_cache_when_the_window_holds_everything(arch):
     assert 0 < rounding <= FP32_TOL
     for kind in KINDS:
         for prefill_chunk in (None, 4):  # one prefill forward of 10 tokens, or chunks of 4, 4, 2
-            cache = build_cache(base.config, kind, sink=2, window=30, chunk=10, batch_size=2, **PARAMS.get(kind, {}))
+            cache = build_cache(ours.config, kind, sink=2, window=30, chunk=10, batch_size=2, **PARAMS.get(kind, {}))
             out = ours.generate(prompt, cache=cache, max_new_tokens=12, prefill_chunk_size=prefill_chunk, **GEN)
             assert torch.equal(out.sequences, ref.sequences), (kind, prefill_chunk)
             assert max_diff(out.logits, ref.logits) <= min(4 * rounding, FP32_TOL), (kind, prefill_chunk)
@@ -107,7 +107,7 @@ def test_on_attention_reports_each_layers_attention_output():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
     seen: dict[int, torch.Tensor] = {}
-    cache = build_cache(base.config, "ring", sink=2, window=16, chunk=8,
+    cache = build_cache(ours.config, "ring", sink=2, window=16, chunk=8,
                         on_attention=lambda layer, out: seen.__setitem__(layer, out.clone()))
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want: dict[int, torch.Tensor] = {}
@@ -141,7 +141,7 @@ def test_forward_loop_beyond_the_window_equals_float64_reference(arch, kind, sch
     ref = with_attention(base, reference_attention(sink, window))
     spans = SCHEDULES[schedule]
     ids = torch.randint(3, 96, (1, sum(spans)), generator=torch.Generator().manual_seed(3))
-    cache = build_cache(base.config, kind, sink=sink, window=window, chunk=chunk, dtype=torch.float64)
+    cache = build_cache(ours.config, kind, sink=sink, window=window, chunk=chunk, dtype=torch.float64)
     ref_cache = DynamicCache(config=base.config)
     worst, start = 0.0, 0
     with torch.no_grad():
@@ -151,8 +151,8 @@ def test_forward_loop_beyond_the_window_equals_float64_reference(arch, kind, sch
             worst = max(worst, float((got - want).abs().max()))
             start += n
     assert worst <= FP64_TOL
-    assert cache.get_seq_length() == start == 71
-    assert cache.kv.layout.ring_wraps(start) >= 5  # (71 - 3 - 1) // 13
+    assert cache.get_seq_length() == start == sum(spans)
+    assert cache.kv.layout.ring_wraps(start) >= 5  # 72 or 75 positions: (72 - 3 - 1) // 13 = 5
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -163,7 +163,7 @@ def test_generate_beyond_the_window_equals_float64_reference(arch):
     ref = with_attention(base, reference_attention(sink, window))
     prompt = torch.randint(3, 96, (1, 23), generator=torch.Generator().manual_seed(4))  # 23 > sink + window
     kw = dict(max_new_tokens=40, prefill_chunk_size=chunk, **GEN)
-    cache = build_cache(base.config, "ring", sink=sink, window=window, chunk=chunk, dtype=torch.float64)
+    cache = build_cache(ours.config, "ring", sink=sink, window=window, chunk=chunk, dtype=torch.float64)
     got = ours.generate(prompt, cache=cache, **kw)
     want = ref.generate(prompt, cache=DynamicCache(config=base.config), **kw)
     assert torch.equal(got.sequences, want.sequences)
@@ -181,7 +181,7 @@ def test_compiled_ring_decode_step_does_not_recompile_across_wraps(prepared):
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
     sizes = dict(sink=2, window=7, chunk=4)
-    cache, eager_cache = (build_cache(base.config, "ring", **sizes) for _ in range(2))
+    cache, eager_cache = (build_cache(ours.config, "ring", **sizes) for _ in range(2))
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(5))
     counter = CompileCounter()
 
@@ -209,40 +209,65 @@ def test_compiled_ring_decode_step_does_not_recompile_across_wraps(prepared):
 
 
 # ---------------------------------------------------------------------- refusals
-def test_another_attention_implementation_is_refused_before_any_write():
+def test_another_attention_implementation_is_refused():
     base = tiny("llama")  # sdpa
     cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="attn_implementation='streamkv'"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="needs attn_implementation='streamkv'"):
         base(input_ids=torch.tensor([[5, 6]]), cache=cache)
-    assert cache.get_seq_length() == 0
+    assert cache.get_seq_length() == 0  # refused before any layer ran
+    # without the config, the next layer's update sees that layer 0 was attended elsewhere
+    bare = StreamKVCache(build_cache(base.config, "ring", sink=2, window=8, chunk=4).kv)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="did not run through the streamkv attention function"):
+        base(input_ids=torch.tensor([[5, 6]]), cache=bare)
 
 
-def test_padding_and_wrong_positions_are_refused():
+def test_padding_and_wrong_positions_are_refused_before_any_write():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
-    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     left_padded = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    with pytest.raises(ValueError, match="position_ids must be the stream's next positions"):
+    with pytest.raises(ValueError, match="padding"):
         ours.generate(ids, attention_mask=left_padded, cache=cache, max_new_tokens=2)
-    assert cache.get_seq_length() == 0  # refused before anything was written
+    assert cache.get_seq_length() == 0 and not cache.kv.is_open
     with torch.no_grad():
         with pytest.raises(ValueError, match="padding"):
             ours(input_ids=ids, attention_mask=left_padded, cache=cache)
-        # refused inside the forward: the span is incomplete, and the cache says so until reset
-        with pytest.raises(RuntimeError, match="call reset"):
-            ours(input_ids=ids, cache=cache)
-        cache.reset()
-        ours(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"attention_mask must be None or 2D \[batch=2, 3\]"):
+            ours(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long), cache=cache)
+        assert cache.get_seq_length() == 0 and not cache.kv.is_open
+        ours(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long), cache=cache)  # no padding: accepted
         with pytest.raises(ValueError, match=r"next positions \[3, 4\)"):
             ours(input_ids=ids[:, :1], position_ids=torch.tensor([[7]]), cache=cache)
         assert cache.get_seq_length() == 3
+        ours(input_ids=ids[:, :1], cache=cache)
+        assert cache.get_seq_length() == 4
+
+
+def test_a_forward_interrupted_inside_the_model_is_reported_until_reset():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+
+    def fail(layer: int, out: torch.Tensor) -> None:
+        if layer == 0:
+            raise KeyboardInterrupt
+
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, on_attention=fail)
+    with torch.no_grad():
+        with pytest.raises(KeyboardInterrupt):
+            ours(input_ids=torch.tensor([[5, 6]]), cache=cache)
+        with pytest.raises(RuntimeError, match="previous forward stopped after writing 1 and attending 1 of 2 layers"):
+            ours(input_ids=torch.tensor([[7]]), cache=cache)
+        cache.reset()
+        cache.on_attention = None
+        ours(input_ids=torch.tensor([[5, 6]]), cache=cache)
+        assert cache.get_seq_length() == 2
 
 
 def test_a_forward_longer_than_chunk_is_refused_and_changes_nothing():
     base = tiny("qwen2")
     ours = with_attention(base, "streamkv")
-    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4)
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4)
     with torch.no_grad(), pytest.raises(ValueError, match="chunk=4"):
         ours(input_ids=torch.arange(3, 8).view(1, 5), cache=cache)
     assert cache.get_seq_length() == 0 and not cache.kv.is_open
@@ -251,7 +276,7 @@ def test_a_forward_longer_than_chunk_is_refused_and_changes_nothing():
 def test_beam_search_crop_and_batch_changes_are_refused():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
-    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
     with pytest.raises(RuntimeError, match="beam search"):
         ours.generate(torch.tensor([[5, 6, 7]]), cache=cache, num_beams=2, max_new_tokens=3, do_sample=False)
     for call in (lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2),
@@ -276,12 +301,12 @@ def test_configs_and_sizes_the_cache_cannot_serve_are_refused():
         build_cache(config, "h2o", sink=2, window=6, chunk=4)  # scored kinds need window >= 2 * chunk
     cache = build_cache(config, "tova", memory_tokens=24, sink=4, chunk=4)
     assert cache.kv.layout.capacity == 24 and cache.kv.k_shape == (1, 2, 24, 8)
-    assert cache.kv.budget == 16 and not cache.is_compileable
+    assert cache.kv.budget == 20 and not cache.is_compileable  # sink + window - chunk
 
 
 def test_a_cache_of_another_dtype_is_refused():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
-    cache = build_cache(base.config, "ring", sink=2, window=8, chunk=4, dtype=torch.float64)
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, dtype=torch.float64)
     with torch.no_grad(), pytest.raises(TypeError, match="dtype"):
         ours(input_ids=torch.tensor([[5, 6]]), cache=cache)

@@ -398,6 +398,12 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         return (self._end - self._span, self._span) if self._open else None
 
     @property
+    def last_span(self) -> tuple[int, int] | None:
+        """``(start, n)`` of the open or last span (a whole chunk can be reopened only if the
+        last span was one), or None when nothing has entered the stream."""
+        return (self._end - self._span, self._span) if self._end else None
+
+    @property
     def end(self) -> int:
         """Positions that have entered the stream, the open span included."""
         return self._end

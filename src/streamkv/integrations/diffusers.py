@@ -89,7 +89,7 @@ class StreamingWan:
         TypeError: ``model`` is not a ``WanTransformer3DModel``; a size is not an int.
         ValueError: an image-conditioned model; diffusers caching enabled on it; sizes that
             do not divide by the patch or break the cache layout; a prebuilt cache set of
-            another spec.
+            another spec; an unknown ``order``, or ``"chronological"`` over a per-head cache.
         RuntimeError: a StreamingWan is already attached to this model.
     """
 
@@ -154,11 +154,17 @@ class StreamingWan:
             self.caches = cache
         else:
             self.caches = CacheSet(cache, self.spec, branches=branches, **(cache_kwargs or {}))
+        if order not in ("auto", "physical", "chronological"):
+            raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
+        refusal = self.caches[self.caches.branches[0]].chronological_refusal
+        if order == "chronological" and refusal:
+            raise ValueError(f"order='chronological' needs the chronological path, and {refusal}")
         self.state = StreamState(order=order)
         self._saved = dict(model.attn_processors)
+        self._processors = [CachedWanSelfAttention(self.state, i) for i in range(len(model.blocks))]
         processors = dict(self._saved)
-        for i in range(len(model.blocks)):
-            processors[f"blocks.{i}.attn1.processor"] = CachedWanSelfAttention(self.state, i)
+        for i, proc in enumerate(self._processors):
+            processors[f"blocks.{i}.attn1.processor"] = proc
         model.set_attn_processor(processors)
         self._hook = model.rope.register_forward_hook(self._absolute_rope, with_kwargs=True)
 
@@ -221,12 +227,17 @@ class StreamingWan:
         under ``torch.no_grad``.
 
         Raises:
-            RuntimeError: detached; ``branch`` has no open chunk.
+            RuntimeError: detached; processors replaced since attaching; ``branch`` has no
+                open chunk.
             KeyError: an unknown branch.
             ValueError: ``latents``, ``timestep`` or ``prompt_embeds`` of the wrong shape.
         """
         if self._hook is None:
             raise RuntimeError("this StreamingWan is detached: build a new one to stream again")
+        replaced = [i for i, p in enumerate(self._processors) if self.model.blocks[i].attn1.processor is not p]
+        if replaced:
+            raise RuntimeError(f"the attn1 processors of blocks {replaced} were replaced after attaching: those layers "
+                               f"would not use the cache; detach() and attach a new StreamingWan")
         cache = self.caches[branch]
         chunk = cache.open_chunk
         if chunk is None:

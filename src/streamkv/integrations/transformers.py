@@ -68,6 +68,7 @@ from torch import Tensor
 
 try:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "streamkv.integrations.transformers needs transformers>=5,<6: pip install 'streamkv[transformers]'"
@@ -75,15 +76,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..attention import attend
 from ..caches import CACHE_KINDS
-from .transformers_cache import KWARG, Handoff, StreamKVCache, StreamKVLayer
+from .transformers_cache import ATTN_IMPLEMENTATION, KWARG, Handoff, StreamKVCache, StreamKVLayer
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KINDS", "StreamKVCache", "StreamKVLayer", "build_cache", "cache_shape",
     "register", "streamkv_attention",
 ]
 
-#: the name to pass as ``attn_implementation``
-ATTN_IMPLEMENTATION = "streamkv"
 #: the cache kinds :func:`build_cache` makes
 KINDS = tuple(CACHE_KINDS)
 
@@ -145,30 +144,63 @@ def streamkv_attention(
     if dropout:
         raise ValueError(f"the streamkv attention has no attention dropout; got dropout={dropout} (model.eval())")
     if attention_mask is not None:
-        _check_mask(attention_mask, handoff.cache)
+        raise ValueError(
+            f"the streamkv attention builds its mask from the cache's slot positions; got a "
+            f"{type(attention_mask).__name__} mask that did not come from the streamkv mask function (a custom 4D mask?)"
+        )
     out, _ = attend(query, read, causal=True, scale=scaling)
     out = out.transpose(1, 2)
     handoff.cache.attended(layer, out)
     return out, None
 
 
-def _check_mask(mask: Tensor, cache: StreamKVCache) -> None:
-    """Accept a 2D mask of ones over every position entered; refuse padding."""
-    end = cache.kv.end
-    if mask.dim() != 2 or mask.shape[-1] != end:
+def streamkv_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = causal_mask_function,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """transformers' mask-function interface for ``"streamkv"``: checks the 2D padding mask
+    before any layer runs, and returns None (the attention function builds the mask from
+    the slot positions).
+
+    ``kv_length`` is what :meth:`StreamKVCache.get_mask_sizes` says: every position entered
+    once this forward's ``q_length`` are in. Accepted: ``attention_mask`` None, or 2D
+    ``[batch_size, kv_length]`` of ones; ``mask_function`` transformers' plain causal one.
+
+    Raises:
+        ValueError: padding (zeros), a mask of another length, a non-causal or overlaid
+            mask pattern (sliding window, bidirectional, image-token overlays, packed
+            sequences), or any mask inside a compiled step (pass None there).
+    """
+    if mask_function is not causal_mask_function:
+        name = getattr(mask_function, "__name__", type(mask_function).__name__)
+        raise ValueError(f"the streamkv attention is plain causal attention; this model asks for the mask pattern "
+                         f"{name!r} (sliding window, bidirectional, overlays and packed sequences are refused)")
+    if attention_mask is None:
+        return None
+    if torch.compiler.is_compiling():
+        raise ValueError("a compiled step with StreamKVCache takes attention_mask=None (no padding)")
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, kv_length):
         raise ValueError(
-            f"attention_mask must be None or 2D [batch, {end}] (every position entered) without padding, got "
-            f"{'4D custom mask' if mask.dim() == 4 else tuple(mask.shape)}"
+            f"attention_mask must be None or 2D [batch={batch_size}, {kv_length}] (every position entered, this "
+            f"forward's included), got {tuple(attention_mask.shape)}"
         )
-    if not bool(mask.bool().all()):
-        raise ValueError("attention_mask has padding (zeros): StreamKVCache refuses padded batches (use batch 1 or "
-                         "prompts of equal length)")
+    if not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask has padding (zeros): StreamKVCache refuses padded batches (every row must be "
+                         "at the same positions: batch 1, or prompts of equal length)")
+    return None
 
 
 def register() -> None:
-    """Register :func:`streamkv_attention` as ``attn_implementation="streamkv"`` (done on import;
-    idempotent)."""
+    """Register :func:`streamkv_attention` and :func:`streamkv_mask` as
+    ``attn_implementation="streamkv"`` in transformers' registries (done on import; idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, streamkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, streamkv_mask)
 
 
 register()
@@ -244,4 +276,4 @@ def build_cache(
         k_shape, k_shape, seq_dim=2, head_dim=1, sink=sink, window=window, chunk=chunk,
         num_layers=cfg.num_hidden_layers, dtype=dtype, device=device, **policy_params,
     )
-    return StreamKVCache(kv, on_attention=on_attention)
+    return StreamKVCache(kv, config=cfg, on_attention=on_attention)

@@ -28,10 +28,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..caches import KVCache, KVRead
 
-__all__ = ["StreamKVCache", "StreamKVLayer", "Handoff", "KWARG"]
+__all__ = ["StreamKVCache", "StreamKVLayer", "Handoff", "KWARG", "ATTN_IMPLEMENTATION"]
 
 #: the attention-kwargs key under which a layer's update hands its read to the attention function
 KWARG = "streamkv"
+#: the ``attn_implementation`` name of the streamkv attention function
+ATTN_IMPLEMENTATION = "streamkv"
 
 
 class Handoff:
@@ -119,6 +121,9 @@ class StreamKVCache(Cache):
         kv: the streamkv cache: ``k_shape == (B, H_kv, sink + window, D)``, ``seq_dim=2``,
             heads at dim 1, ``num_layers`` = the model's decoder layers, no recall slots.
             Its ``chunk`` is the largest forward (prefill chunk) accepted.
+        config: optional, the model's (text) config: ``get_mask_sizes`` then refuses a model
+            whose config names another attention implementation before any layer runs
+            (without it, a foreign attention is caught at the next layer's update).
         on_attention: optional ``fn(layer, out)`` called by the attention function with each
             layer's attention output ``out`` (``[B, T, H_q, D]``, before ``o_proj``): per-layer
             outputs for evaluations. Traced along under ``torch.compile``.
@@ -128,7 +133,8 @@ class StreamKVCache(Cache):
     ``torch.inference_mode()`` (the core refuses tensors that require grad).
     """
 
-    def __init__(self, kv: KVCache, *, on_attention: Callable[[int, Tensor], None] | None = None) -> None:
+    def __init__(self, kv: KVCache, *, config: Any = None,
+                 on_attention: Callable[[int, Tensor], None] | None = None) -> None:
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a streamkv KVCache, got {type(kv).__name__}")
         if len(kv.k_shape) != 4 or kv.seq_dim != 2 or kv.head_dim != 1:
@@ -141,6 +147,7 @@ class StreamKVCache(Cache):
         if on_attention is not None and not callable(on_attention):
             raise TypeError(f"on_attention must be callable or None, got {type(on_attention).__name__}")
         self.kv = kv
+        self.config = config
         self.on_attention = on_attention
         self.compileable = kv.name == "ring"
         self._written = 0  # layers written in the open span
@@ -266,21 +273,38 @@ class StreamKVCache(Cache):
                 )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions that entered the stream (the open span included): where the next
-        forward's positions start. Not the number of tokens held (at most ``sink + window``)."""
-        return self.kv.end
+        """Positions entered by the forwards so far (a span opened by ``prepare_step`` not
+        counted): where the next forward's positions start. Not the number of tokens held
+        (at most ``sink + window``). A host int: compiled steps pass ``position_ids``."""
+        kv = self.kv
+        return kv.end - kv.open_span[1] if self._prepared else kv.end
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.kv.end
+        """:meth:`get_seq_length` (0 inside a compiled step: only the streamkv mask function
+        receives it, and ignores it)."""
+        return 0 if torch.compiler.is_compiling() else self.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """Refused: transformers' masks index keys by their order, and this cache's keys lie in
-        slot order; only the streamkv attention function (which builds the mask from the slot
-        positions) reads it. Called when the model uses another attention implementation."""
-        raise RuntimeError(
-            f"StreamKVCache ({self.kv.name}) cannot be read with transformers' masks: its keys lie in slot order; load "
-            f"the model with attn_implementation='streamkv' (import streamkv.integrations.transformers registers it)"
-        )
+        """``(positions entered once this forward is in, 0)``: what the 2D padding mask must
+        cover (:func:`~streamkv.integrations.transformers.streamkv_mask` checks it). Inside a
+        compiled step ``(sink + window, 0)``, so no host counter is traced (compiled steps take
+        no mask). The attention never reads these sizes: it masks by slot positions.
+
+        Raises:
+            RuntimeError: the config given at construction names another attention
+                implementation (its masks would index this cache's slots as if they were
+                in position order).
+        """
+        if torch.compiler.is_compiling():
+            return self.kv.layout.capacity, 0
+        impl = getattr(self.config, "_attn_implementation", ATTN_IMPLEMENTATION)
+        if impl != ATTN_IMPLEMENTATION:
+            raise RuntimeError(
+                f"StreamKVCache ({self.kv.name}) needs attn_implementation='streamkv' (its keys lie in slot order); the "
+                f"model config it was built for has {impl!r}: load the model with attn_implementation='streamkv' or "
+                f"call model.set_attn_implementation('streamkv'), and build the cache from model.config"
+            )
+        return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
         """Forget the stream: every slot empty and zeroed, position 0 next. Buffers are kept."""

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pareto": ("pareto", "mass budget vs fixed window: tau bound, Pareto, sink sweep, tail, falsifiers"),
     "certify": ("certify", "certified streaming attention: per-query bound on evicted mass and error, recall"),
     "budget": ("budget", "the streaming mass-budget cache vs window, H2O and the oracle: error vs memory, holdout"),
+    "fuzz": ("fuzz", "differential fuzzer: random layouts and calls, rejected calls change nothing, reads exact"),
 }
 
 

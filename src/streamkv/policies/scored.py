@@ -239,7 +239,14 @@ class ScoredPolicy(SlotPolicy):
         self._queries.zero_()
 
     def state(self) -> dict[str, Tensor]:
-        return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound}
+        # the open chunk's statistics from attention too: a state taken mid-chunk commits the same
+        # way. Queries stored by update(k, v, q) are not saved (their shape follows the caller):
+        # a restored cache asks for them again rather than score stale ones.
+        return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound,
+                "key_max": self._key_max, "key_sum": self._key_sum, "scored": self._fresh}
+
+    def after_load(self, end: int, span: int) -> None:
+        self._has_queries.zero_()
 
     def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         st, lay = self.storage, self.layout
@@ -270,6 +277,8 @@ class ScoredPolicy(SlotPolicy):
         for name in ("overflows", "evictions"):
             if bool((state[name] < 0).any()):
                 raise ValueError(f"{where}: {name} must be >= 0")
+        if bool(((state["scored"] != 0) & (state["scored"] != 1)).any()):
+            raise ValueError(f"{where}: scored flags must be 0 or 1")
 
 
 class FixedBudget(ScoredPolicy):

@@ -42,3 +42,38 @@ def flashdreams_version() -> str | None:
         return importlib.metadata.version("flashdreams")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+@functools.cache
+def load_sglang_causal_kv_cache() -> type | None:
+    """sglang's ``CausalSelfAttentionKVCache`` class, or None when sglang is not installed (or
+    its layout changed and the file is not where 0.5.23 keeps it). The package's ``__init__``
+    pulls in the whole runtime; the module needs only torch and dataclasses, so it is loaded
+    by file path."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = (Path(list(spec.submodule_search_locations)[0]) / "multimodal_gen" / "runtime" / "layers" / "kvcache"
+            / "causal_attention_cache.py")
+    if not path.is_file():
+        return None
+    mod_spec = importlib.util.spec_from_file_location("_streamkv_bench_sglang_causal_attention_cache", path)
+    if mod_spec is None or mod_spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return getattr(module, "CausalSelfAttentionKVCache", None)
+
+
+def sglang_version() -> str | None:
+    """Installed sglang version, or None."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+__all__ += ["load_sglang_causal_kv_cache", "sglang_version"]

@@ -31,7 +31,7 @@ WAN_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
                       out_channels=4, text_dim=16, freq_dim=16, ffn_dim=48, num_layers=2, rope_max_seq_len=256),
-        "frames_per_chunk": 2, "sink_frames": 2, "window_frames": 4, "height": 8, "width": 8, "text_len": 8,
+        "frames_per_chunk": 2, "sink_frames": 2, "window_frames": 6, "height": 8, "width": 8, "text_len": 8,
     },
     # random weights at the Wan 2.1 T2V 1.3B shape; 480x832 video (60x104 latents), Self-Forcing's
     # 3-frame chunks and a 21-frame cache (3 sink + 18 window)

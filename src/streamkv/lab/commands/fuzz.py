@@ -1,0 +1,41 @@
+"""``streamkv fuzz``: the differential fuzzer over every cache kind (see :mod:`streamkv.lab.fuzz`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layouts", type=int, default=1000, help="random layouts to run (default 1000)")
+    p.add_argument("--calls", type=int, default=30, help="random calls per layout (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the layouts and calls (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write the counts as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.progress import Progress
+
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment, threads
+    from streamkv.lab.fuzz import run_fuzz
+
+    console = make_console()
+    with threads(1), torch.no_grad(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("layouts", total=args.layouts)
+        result = run_fuzz(args.layouts, seed=args.seed, calls=args.calls,
+                          progress=lambda i: progress.update(task, completed=i))
+    data = result.to_json()
+    for key in ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
+                "mismatches"):
+        console.print(f"{key:>30}: {data[key]:,}")
+    console.print(f"{'seconds':>30}: {data['seconds']:.1f}")
+    console.print(f"{'layouts per kind':>30}: {data['kinds']}")
+    for line in data["failures"]:
+        console.print(f"[red]{line}[/]")
+    write_json(args.json, {"seed": args.seed, "calls_per_layout": args.calls, **data, "versions": environment()})
+    if args.json:
+        console.print(f"wrote {args.json}")
+    bad = data["state_changes_after_rejection"] + data["bad_calls_accepted"] + data["mismatches"]
+    return 1 if bad else 0
