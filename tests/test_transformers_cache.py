@@ -308,5 +308,6 @@ def test_a_cache_of_another_dtype_is_refused():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
     cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, dtype=torch.float64)
-    with torch.no_grad(), pytest.raises(TypeError, match="dtype"):
+    with torch.no_grad(), pytest.raises(TypeError, match="float32, the cache holds torch.float64"):
         ours(input_ids=torch.tensor([[5, 6]]), cache=cache)
+    assert cache.get_seq_length() == 0 and not cache.kv.is_open

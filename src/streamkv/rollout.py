@@ -319,6 +319,45 @@ class StreamingRollout:
         self._chunk += 1
         return x0
 
+    @torch.no_grad()
+    def prefill_chunk(self, latents: Tensor) -> Tensor:
+        """Commit a known chunk instead of generating it (video continuation, image-to-video):
+        the clean pass at ``t = 0`` on ``latents`` writes its K/V on every branch, exactly as a
+        generated chunk's last pass does, and the chunk becomes history. No noise is drawn (the
+        noise of later chunks is what it would be without the prefill). Eager mode only.
+
+        Args:
+            latents: ``[B, in_channels, frames_per_chunk, latent_h, latent_w]``, cast to the
+                model's dtype and device (not mutated).
+
+        Returns:
+            ``latents`` as committed (the model's dtype and device).
+
+        Raises:
+            RuntimeError: no prompt set; a compiled or graph mode.
+            ValueError: ``latents`` not of the chunk's shape; past the RoPE horizon.
+        """
+        if not self._cross:
+            raise RuntimeError("set_prompt(...) before prefilling")
+        if self.mode != "eager":
+            raise RuntimeError(f"prefill_chunk runs eagerly only, got mode={self.mode!r}")
+        shape = self.model.latent_shape(self.batch)
+        if not isinstance(latents, Tensor) or tuple(latents.shape) != shape:
+            got = tuple(latents.shape) if isinstance(latents, Tensor) else type(latents).__name__
+            raise ValueError(f"latents must have the chunk shape {shape}, got {got}")
+        self.check_chunks(1)
+        x0 = latents.to(device=self.device, dtype=self.dtype)
+        c = self._chunk
+        t_start = time.perf_counter()
+        self._maintenance = 0.0
+        if self.caches[self.branches[0]].open_chunk != c:
+            self._timed(lambda: self.caches.begin_chunk(c, self.branches))
+        self._flow(x0, 0.0, self.model.rope_tables(c, dtype=self.dtype, device=self.device))
+        self._timed(lambda: self.caches.commit_chunk(c, self.branches))
+        self.stats.chunks.append(ChunkStats(c, time.perf_counter() - t_start, self._maintenance, len(self.branches)))
+        self._chunk += 1
+        return x0
+
     def run(self, num_chunks: int, progress: Callable[[int], None] | None = None) -> Tensor:
         """Generate ``num_chunks`` chunks; returns ``[B, C, frames, H, W]`` latents."""
         self.check_chunks(num_chunks)

@@ -89,7 +89,8 @@ class StreamingWan:
         TypeError: ``model`` is not a ``WanTransformer3DModel``; a size is not an int.
         ValueError: an image-conditioned model; diffusers caching enabled on it; sizes that
             do not divide by the patch or break the cache layout; a prebuilt cache set of
-            another spec; an unknown ``order``, or ``"chronological"`` over a per-head cache.
+            another spec (or with ``cache_kwargs``); an unknown ``order``, or
+            ``"chronological"`` over a per-head cache.
         RuntimeError: a StreamingWan is already attached to this model.
     """
 
@@ -127,8 +128,13 @@ class StreamingWan:
         for name in ("frames_per_chunk", "sink_frames", "window_frames"):
             if sizes[name] % p_t:
                 raise ValueError(f"{name} must be a multiple of the temporal patch {p_t}, got {sizes[name]}")
+        frames_per_chunk, sink_frames, window_frames, height, width, batch = sizes.values()
         if height % p_h or width % p_w:
             raise ValueError(f"latent size {height} x {width} must divide by the patch {p_h} x {p_w}")
+        if order not in ("auto", "physical", "chronological"):
+            raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
+        if isinstance(cache, CacheSet) and cache_kwargs:
+            raise ValueError(f"cache_kwargs {sorted(cache_kwargs)} cannot apply to a prebuilt CacheSet")
         self.model = model
         self.frames_per_chunk, self.height, self.width, self.batch = frames_per_chunk, height, width, batch
         self.grid = (height // p_h, width // p_w)
@@ -154,8 +160,6 @@ class StreamingWan:
             self.caches = cache
         else:
             self.caches = CacheSet(cache, self.spec, branches=branches, **(cache_kwargs or {}))
-        if order not in ("auto", "physical", "chronological"):
-            raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
         refusal = self.caches[self.caches.branches[0]].chronological_refusal
         if order == "chronological" and refusal:
             raise ValueError(f"order='chronological' needs the chronological path, and {refusal}")

@@ -186,11 +186,13 @@ class StreamKVCache(Cache):
                 f"a forward holds 1 to chunk={C} tokens (the cache's largest span), got {n}: prefill in chunks of at "
                 f"most {C} tokens (generate(..., prefill_chunk_size={C})) or build the cache with a larger chunk"
             )
-        if kv.is_open and (self._written != L or self._attended != L):
+        if kv.is_open and self._written != L:
             raise RuntimeError(
                 f"the previous forward stopped after writing {self._written} and attending {self._attended} of {L} "
                 f"layers: the open span is incomplete; call reset() and start the stream again"
             )
+        if kv.is_open:
+            self._check_attended()
         if position_ids is not None:
             self._check_positions(position_ids, kv.end, n)
         if kv.is_open:
@@ -232,26 +234,29 @@ class StreamKVCache(Cache):
                 "(transformers' Llama/Qwen2-style attention modules do): it carries the cache read to the streamkv "
                 "attention function; this model's attention module does not pass it"
             )
-        if layer_idx != self._written and not (layer_idx == 0 and self._written == L):
+        self.check_states(key_states, value_states, layer_idx)
+        if layer_idx == 0 and not self._prepared:
+            self._advance(key_states.shape[-2], attn_kwargs.get("position_ids"))
+        elif layer_idx != self._written:
             raise RuntimeError(
                 f"layers must be updated in order once per forward: expected layer {self._written % L}, got "
                 f"{layer_idx}; call reset() and start the stream again"
             )
-        if self._attended != self._written:
-            raise RuntimeError(
-                f"layer {self._written - 1}'s attention did not run through the streamkv attention function: load the "
-                f"model with attn_implementation='streamkv' (import streamkv.integrations.transformers registers it)"
-            )
-        self.check_states(key_states, value_states, layer_idx)
-        if layer_idx == 0:
-            if self._prepared:
-                self._prepared = False
-            else:
-                self._advance(key_states.shape[-2], attn_kwargs.get("position_ids"))
+        self._check_attended()
         read = self.kv.update(key_states, value_states, layer=layer_idx, occupancy="mask")
         attn_kwargs[KWARG] = Handoff(self, layer_idx, read)
+        self._prepared = False
         self._written += 1
         return read.keys, read.values
+
+    def _check_attended(self) -> None:
+        """Every layer written in the open span was attended by the streamkv attention function."""
+        if self._attended != self._written:
+            raise RuntimeError(
+                f"layer {self._attended} was written but its attention did not run through the streamkv attention "
+                f"function (the model uses another attn_implementation, or the forward stopped in between): load the "
+                f"model with attn_implementation='streamkv', and call reset() to start the stream again"
+            )
 
     def attended(self, layer: int, out: Tensor) -> None:
         """Called by the attention function once layer ``layer`` attended (``out``:
@@ -261,7 +266,9 @@ class StreamKVCache(Cache):
             self.on_attention(layer, out)
 
     def check_states(self, key_states: Tensor, value_states: Tensor, layer: int) -> None:
-        """Raise ``ValueError``/``TypeError`` unless K/V ``[B, H_kv, n, D]`` fit the cache."""
+        """Raise ``ValueError``/``TypeError`` unless K/V ``[B, H_kv, n, D]`` fit the cache
+        (shape, dtype, device): checked before layer 0 opens the span, so a refused forward
+        changes nothing."""
         kv = self.kv
         for name, t, shape in (("key", key_states, kv.k_shape), ("value", value_states, kv.v_shape)):
             if not isinstance(t, Tensor):
@@ -271,6 +278,11 @@ class StreamKVCache(Cache):
                     f"layer {layer} {name}_states must be [batch={shape[0]}, kv_heads={shape[1]}, n, {shape[-1]}] "
                     f"(the cache was built for that batch and model), got {tuple(t.shape)}"
                 )
+            if t.dtype != kv.dtype:
+                raise TypeError(f"layer {layer} {name}_states are {t.dtype}, the cache holds {kv.dtype}: build it with "
+                                f"the model's compute dtype")
+            if t.device != kv.device:
+                raise ValueError(f"layer {layer} {name}_states are on {t.device}, the cache on {kv.device}")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions entered by the forwards so far (a span opened by ``prepare_step`` not
