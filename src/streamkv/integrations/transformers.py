@@ -43,8 +43,10 @@ Supported: ``generate()`` (greedy and sampling, ``prefill_chunk_size``, streamer
 criteria), batches without padding (every row at the same positions), forward loops
 ``model(ids, past_key_values=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
 ``cache.reset()``, ``torch.compile`` of the decode step with the ring (call
-``cache.prepare_step(n)`` before each compiled forward and pass ``position_ids``: no
-recompiles across wraps; without ``prepare_step`` the lifecycle runs in a graph break).
+``cache.prepare_step(n)`` before each compiled forward and pass ``position_ids`` and no
+``attention_mask``: one graph, no recompiles across wraps; without ``prepare_step`` the
+lifecycle runs eagerly in a graph break: correct, not checked for recompiles). ``generate()``
+does not auto-compile these caches (``is_compileable`` is False; see :class:`StreamKVCache`).
 Models: decoder-only models whose attention modules follow transformers' Llama pattern
 (``cache.update(k, v, layer_idx, kwargs=kwargs)`` then the attention function with those
 kwargs) and only full-attention layers; tested: Llama, Qwen2.
@@ -76,7 +78,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..attention import attend
 from ..caches import CACHE_KINDS
-from .transformers_cache import ATTN_IMPLEMENTATION, KWARG, Handoff, StreamKVCache, StreamKVLayer
+from .transformers_cache import (
+    ATTN_IMPLEMENTATION,
+    KWARG,
+    Handoff,
+    StreamKVCache,
+    StreamKVLayer,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KINDS", "StreamKVCache", "StreamKVLayer", "build_cache", "cache_shape",
@@ -125,7 +133,7 @@ def streamkv_attention(
     """
     handoff = kwargs.get(KWARG)
     if not isinstance(handoff, Handoff):
-        raise RuntimeError(
+        raise RuntimeError(  # noqa: TRY004 - a missing cache, not a value of the wrong type
             "attn_implementation='streamkv' needs a StreamKVCache (streamkv.integrations.transformers.build_cache) "
             "passed as past_key_values, and a model that hands its attention kwargs to cache.update"
         )
@@ -182,7 +190,7 @@ def streamkv_mask(
         raise ValueError(f"the streamkv attention is plain causal attention; this model asks for the mask pattern "
                          f"{name!r} (sliding window, bidirectional, overlays and packed sequences are refused)")
     if attention_mask is None:
-        return None
+        return
     if torch.compiler.is_compiling():
         raise ValueError("a compiled step with StreamKVCache takes attention_mask=None (no padding)")
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, kv_length):
@@ -193,7 +201,7 @@ def streamkv_mask(
     if not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask has padding (zeros): StreamKVCache refuses padded batches (every row must be "
                          "at the same positions: batch 1, or prompts of equal length)")
-    return None
+    return
 
 
 def register() -> None:

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..caches import KVCache, KVRead
 
-__all__ = ["StreamKVCache", "StreamKVLayer", "Handoff", "KWARG", "ATTN_IMPLEMENTATION"]
+__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer"]
 
 #: the attention-kwargs key under which a layer's update hands its read to the attention function
 KWARG = "streamkv"
@@ -56,6 +56,7 @@ class StreamKVLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = False
+    is_compileable = False  # see StreamKVCache.is_compileable
 
     def __init__(self, owner: StreamKVCache, index: int) -> None:
         super().__init__()
@@ -65,7 +66,6 @@ class StreamKVLayer(CacheLayerMixin):
         self.device = kv.device
         self.batch_size, self.num_heads, _, self.k_head_dim = kv.k_shape
         self.v_head_dim = kv.v_shape[-1]
-        self.is_compileable = owner.compileable
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -149,7 +149,6 @@ class StreamKVCache(Cache):
         self.kv = kv
         self.config = config
         self.on_attention = on_attention
-        self.compileable = kv.name == "ring"
         self._written = 0  # layers written in the open span
         self._attended = 0  # layers attended by streamkv_attention in the open span
         self._prepared = False  # prepare_step opened the span of the next forward
@@ -229,7 +228,7 @@ class StreamKVCache(Cache):
         L = self.num_layers
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
-            raise RuntimeError(
+            raise RuntimeError(  # noqa: TRY004 - a model that does not pass its kwargs, not a bad value
                 "StreamKVCache needs the attention kwargs dict passed to cache.update(k, v, layer_idx, kwargs=kwargs) "
                 "(transformers' Llama/Qwen2-style attention modules do): it carries the cache read to the streamkv "
                 "attention function; this model's attention module does not pass it"
@@ -343,12 +342,14 @@ class StreamKVCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """True for the ring only: its writes read their slots from device tensors and the
-        lifecycle runs outside the traced graph, so a compiled decode step does not recompile
-        across wraps (tested). The chronological path writes at a host-int offset while it
-        fills, and the scored kinds' compiled path is untested: False (``generate`` then
-        never auto-compiles)."""
-        return self.compileable
+        """False for every kind, so that ``generate()`` never compiles its forward by itself:
+        that compiled forward would contain layer 0's lifecycle step (host ints; here a graph
+        break, and transformers' decorators then recompile per frame). Compile the decode
+        step yourself instead: ``cache.prepare_step(1)`` before each call of a
+        ``torch.compile``'d ``model(input_ids=..., position_ids=..., cache=cache)``; with the
+        ring it compiles to one graph (``fullgraph=True``) that does not recompile across
+        wraps (tested). Nothing in the forward itself reads this flag."""
+        return False
 
     def __repr__(self) -> str:
         return f"StreamKVCache({self.kv!r})"

@@ -49,7 +49,7 @@ class TrainConfig:
     seed: int = 0
     steps: int = 1200
     batch: int = 16
-    frames: int = 24  # the training window: frames per clip
+    frames: int = 16  # the training window: frames per clip
     sprites: int = 2
     lr: float = 1e-3
     warmup: int = 50
@@ -59,7 +59,7 @@ class TrainConfig:
     ema: float = 0.995
     discrete_sigma_prob: float = 0.5
     sigma_min: float = 0.02
-    threads: int = 2
+    threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "frames", "sprites", "threads"):
