@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_same_state, snapshot
 from torch._dynamo.testing import CompileCounter
 from transformers import (
     AttentionInterface,
@@ -110,12 +111,12 @@ def test_generate_equals_dynamic_cache_when_the_window_holds_everything(arch):
                 assert cache.kv.report()["evicted_total"] == 0
 
 
-def test_on_attention_reports_each_layers_attention_output():
+def test_on_attention_reports_each_layers_queries_read_and_output():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[int, tuple] = {}
     cache = build_cache(ours.config, "ring", sink=2, window=16, chunk=8,
-                        on_attention=lambda layer, out: seen.__setitem__(layer, out.clone()))
+                        on_attention=lambda layer, q, read, out: seen.__setitem__(layer, (q, read, out.clone())))
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     want: dict[int, torch.Tensor] = {}
     hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: want.__setitem__(i, args[0]))
@@ -127,8 +128,11 @@ def test_on_attention_reports_each_layers_attention_output():
         h.remove()
     assert sorted(seen) == [0, 1]
     for i in (0, 1):
-        assert seen[i].shape == (1, 7, 6, 8)
-        assert float((seen[i].reshape(1, 7, -1) - want[i]).abs().max()) <= FP32_TOL
+        q, read, out = seen[i]
+        assert q.shape == (1, 6, 7, 8) and out.shape == (1, 7, 6, 8)
+        assert read.query_positions.tolist() == list(range(7))
+        assert read.positions[0].tolist() == list(range(7)) + [-1] * 11  # 7 of 18 slots filled
+        assert float((out.reshape(1, 7, -1) - want[i]).abs().max()) <= FP32_TOL
 
 
 # ----------------------------------------------------------- (b) beyond the window
@@ -152,7 +156,7 @@ def test_forward_loop_beyond_the_window_equals_float64_reference(arch, kind, sch
     got_attn: dict[int, torch.Tensor] = {}
     want_attn: dict[int, torch.Tensor] = {}
     cache = build_cache(ours.config, kind, sink=sink, window=window, chunk=chunk, dtype=torch.float64,
-                        on_attention=lambda layer, out: got_attn.__setitem__(layer, out.flatten(-2)))
+                        on_attention=lambda layer, q, read, out: got_attn.__setitem__(layer, out.flatten(-2)))
     for i, layer in enumerate(ref.model.layers):
         layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: want_attn.__setitem__(i, args[0]))
     ref_cache = DynamicCache(config=base.config)
@@ -258,19 +262,22 @@ def test_padding_and_wrong_positions_are_refused_before_any_write():
     cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, batch_size=2)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     left_padded = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    before = snapshot(cache.kv)
     with pytest.raises(ValueError, match="padding"):
         ours.generate(ids, attention_mask=left_padded, cache=cache, max_new_tokens=2)
-    assert cache.get_seq_length() == 0 and not cache.kv.is_open
+    assert_same_state(before, snapshot(cache.kv))
+    before = snapshot(cache)
     with torch.no_grad():
         with pytest.raises(ValueError, match="padding"):
             ours(input_ids=ids, attention_mask=left_padded, cache=cache)
         with pytest.raises(ValueError, match=r"attention_mask must be None or 2D \[batch=2, 3\]"):
             ours(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long), cache=cache)
-        assert cache.get_seq_length() == 0 and not cache.kv.is_open
+        assert_same_state(before, snapshot(cache))
         ours(input_ids=ids, attention_mask=torch.ones(2, 3, dtype=torch.long), cache=cache)  # no padding: accepted
+        before = snapshot(cache)
         with pytest.raises(ValueError, match=r"next positions \[3, 4\)"):
             ours(input_ids=ids[:, :1], position_ids=torch.tensor([[7]]), cache=cache)
-        assert cache.get_seq_length() == 3
+        assert_same_state(before, snapshot(cache))
         ours(input_ids=ids[:, :1], cache=cache)
         assert cache.get_seq_length() == 4
 
@@ -279,7 +286,7 @@ def test_a_forward_interrupted_inside_the_model_is_reported_until_reset():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
 
-    def fail(layer: int, out: torch.Tensor) -> None:
+    def fail(layer: int, *args: object) -> None:
         if layer == 0:
             raise KeyboardInterrupt
 
@@ -299,9 +306,12 @@ def test_a_forward_longer_than_chunk_is_refused_and_changes_nothing():
     base = tiny("qwen2")
     ours = with_attention(base, "streamkv")
     cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4)
-    with torch.no_grad(), pytest.raises(ValueError, match="chunk=4"):
-        ours(input_ids=torch.arange(3, 8).view(1, 5), cache=cache)
-    assert cache.get_seq_length() == 0 and not cache.kv.is_open
+    with torch.no_grad():
+        ours(input_ids=torch.tensor([[3, 4, 5]]), cache=cache)
+        before = snapshot(cache)
+        with pytest.raises(ValueError, match="chunk=4"):
+            ours(input_ids=torch.arange(3, 8).view(1, 5), cache=cache)
+    assert_same_state(before, snapshot(cache))
 
 
 def test_beam_search_crop_and_batch_changes_are_refused():
@@ -335,10 +345,21 @@ def test_configs_and_sizes_the_cache_cannot_serve_are_refused():
     assert cache.kv.budget == 20 and not cache.is_compileable  # sink + window - chunk
 
 
+def test_attention_weights_are_refused_before_any_write():
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4)
+    before = snapshot(cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True"):
+        ours(input_ids=torch.tensor([[5, 6]]), cache=cache, output_attentions=True)
+    assert_same_state(before, snapshot(cache))
+
+
 def test_a_cache_of_another_dtype_is_refused():
     base = tiny("llama")
     ours = with_attention(base, "streamkv")
     cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, dtype=torch.float64)
+    before = snapshot(cache)
     with torch.no_grad(), pytest.raises(TypeError, match="float32, the cache holds torch.float64"):
         ours(input_ids=torch.tensor([[5, 6]]), cache=cache)
-    assert cache.get_seq_length() == 0 and not cache.kv.is_open
+    assert_same_state(before, snapshot(cache))

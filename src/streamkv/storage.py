@@ -313,24 +313,24 @@ class KVStorage:
         return buf.index_select(self.seq_dim, slots)
 
     # ----------------------------------------------------------- recall slots
-    def write_recall(self, layer: int, head: int, at: int, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        """Put ``n`` recalled tokens of one head in recall slots ``[at, at + n)`` (counted from
-        the first recall slot): ``k``/``v`` shaped like the layer's rows of that head with the
+    def write_recall(self, layer: int, head: int, slots: list[int], k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Put ``n`` recalled tokens of one head in recall slots ``slots`` (``n`` indices counted
+        from the first recall slot): ``k``/``v`` shaped like the layer's rows of that head with the
         token dim first (``[n, other dims..., D]``), ``positions [n]``."""
-        n = positions.numel()
-        if self.head_dim is None or not 0 <= at <= self.recall_slots - n:
-            raise ValueError(f"recall slots [{at}, {at + n}) outside [0, {self.recall_slots}) or no head dim")
-        lo = self.capacity + at
-        self.keys[layer].permute(self._perm)[lo : lo + n, head] = k
-        self.values[layer].permute(self._perm)[lo : lo + n, head] = v
-        self.positions[layer, head, lo : lo + n] = positions
+        if self.head_dim is None or len(slots) != positions.numel() or any(
+                not 0 <= s < self.recall_slots for s in slots):
+            raise ValueError(f"recall slots {slots} outside [0, {self.recall_slots}), or no head dim")
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
+        self.keys[layer].permute(self._perm)[idx, head] = k
+        self.values[layer].permute(self._perm)[idx, head] = v
+        self.positions[layer, head, idx] = positions
 
-    def clear_recall(self, layer: int, head: int, at: int, n: int) -> None:
-        """Empty recall slots ``[at, at + n)`` of one head (positions -1, K/V zeroed)."""
-        lo = self.capacity + at
-        self.keys[layer].permute(self._perm)[lo : lo + n, head] = 0
-        self.values[layer].permute(self._perm)[lo : lo + n, head] = 0
-        self.positions[layer, head, lo : lo + n] = -1
+    def clear_recall(self, layer: int, head: int, slots: list[int]) -> None:
+        """Empty recall ``slots`` of one head (positions -1, K/V zeroed)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
+        self.keys[layer].permute(self._perm)[idx, head] = 0
+        self.values[layer].permute(self._perm)[idx, head] = 0
+        self.positions[layer, head, idx] = -1
 
     def zero_(self) -> None:
         """Forget everything: K/V zeroed (no stale value can reach an output), slots empty."""

@@ -264,7 +264,7 @@ def certify(
     # magnitude of any logit involved: kept keys (valid slots) and live box corners
     q64abs = q.double().abs()
     if bias is not None:
-        valid = torch.isfinite(bias.double()).transpose(-1, -2)  # [.., S, 1]
+        valid = torch.isfinite(bias.double()).any(dim=-2).unsqueeze(-1)  # [.., S, 1]: seen by some query
         kmax = torch.where(valid, k.double().abs(), 0.0).amax(dim=-2)  # [B, H, D]
     else:
         kmax = k.double().abs().amax(dim=-2)

@@ -44,10 +44,11 @@ from ..caches import CacheObserver, CacheSet, EvictionEvent, KVCache
 from ..budget.mass import check_tau
 from ..storage import check_int
 from .bound import Certificate, certify
+from .sketch import KeySketch
 from .store import OffloadStore
 from .summary import BlockSummaries
 
-__all__ = ["Certifier", "CertificateMonitor", "attach"]
+__all__ = ["Certifier", "CertificateMonitor", "attach", "fold_queries"]
 
 
 class CertificateMonitor(Protocol):
@@ -65,6 +66,12 @@ class Certifier(CacheObserver):
             needs a cache built with ``recall_slots > 0``.
         box_dtype, events_per_block, pool_events, block_tokens, max_blocks: summary options
             (:class:`~streamkv.certify.summary.BlockSummaries`).
+        sketch_bits: 8 or 4: summarise every evicted key by a per-token sketch
+            (:class:`~streamkv.certify.sketch.KeySketch`, blocks of ``block_tokens`` tokens
+            per head) instead of block boxes: the two-tier cache's middle tier. None: boxes.
+        causal: the attention is position-causal (``attend(..., causal=True)``: an LLM's prefill
+            chunks): a query sees the kept keys at positions up to its own. Without it every
+            query of a span sees the whole span (video chunks).
         scale: the attention softmax scale (default ``1/sqrt(D)``, as ``attend``).
     """
 
@@ -78,6 +85,8 @@ class Certifier(CacheObserver):
         pool_events: int | None = None,
         block_tokens: int = 32,
         max_blocks: int | None = None,
+        sketch_bits: int | None = None,
+        causal: bool = False,
         scale: float | None = None,
     ) -> None:
         if not isinstance(cache, KVCache):
@@ -97,24 +106,37 @@ class Certifier(CacheObserver):
         self.recall_tau = recall_tau
         self.batch, self.heads, self.D, self.Dv = B, H, D, cache.v_shape[-1]
         self.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        self.summaries = [
-            BlockSummaries(batch=B, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device, key_dtype=cache.dtype,
-                           value_dtype=cache.dtype, box_dtype=box_dtype, events_per_block=events_per_block,
-                           pool_events=pool_events, block_tokens=block_tokens, max_blocks=max_blocks)
-            for _ in range(cache.num_layers)
-        ]
+        if sketch_bits is None:
+            self.summaries = [
+                BlockSummaries(batch=B, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device,
+                               key_dtype=cache.dtype, value_dtype=cache.dtype, box_dtype=box_dtype,
+                               events_per_block=events_per_block, pool_events=pool_events,
+                               block_tokens=block_tokens, max_blocks=max_blocks)
+                for _ in range(cache.num_layers)
+            ]
+        else:
+            self.summaries = [
+                KeySketch(batch=B, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device, bits=sketch_bits,
+                          block_tokens=block_tokens, value_dtype=cache.dtype)
+                for _ in range(cache.num_layers)
+            ]
+        self.sketch_bits = sketch_bits
+        self.causal = bool(causal)
         self.store = OffloadStore(cache.device)
         self.monitors: list[CertificateMonitor] = []
         self.last: list[Certificate | None] = [None] * cache.num_layers
-        self._recalled: list[list[dict[tuple[int, int], tuple[int, int, int]]]] = []
+        self._recalled: list[list[dict[tuple[int, int], tuple[list[int], int]]]] = []
+        self._free: list[list[list[int]]] = []
         self.stats: dict[str, int] = {}
         self._clear()
         cache.add_observer(self)
 
     def _clear(self) -> None:
         L, H = self.cache.num_layers, self.heads
-        # per (layer, head): recalled block key -> (first recall slot, tokens, chunk recalled in)
+        # per (layer, head): recalled block key -> (its recall slots, the span it was recalled for),
+        # and the free recall slots (sorted)
         self._recalled = [[{} for _ in range(H)] for _ in range(L)]
+        self._free = [[list(range(self.storage.recall_slots)) for _ in range(H)] for _ in range(L)]
         self.last = [None] * L
         self.stats = {"steps": 0, "recall_events": 0, "recalled_blocks": 0, "recalled_tokens": 0,
                       "recalled_bytes": 0, "shortfalls": 0, "syncs": 0, "peak_slots_used": 0}
@@ -157,15 +179,18 @@ class Certifier(CacheObserver):
                 hh, rr = mask.nonzero(as_tuple=True)
                 pk, pv, pp = k[:, rr, hh], v[:, rr, hh], positions[hh, rr]
             self.store.put(layer, eid, pk, pv, pp, _offsets(counts))
-            self.summaries[layer].add(
+            labels = self.summaries[layer].add(
                 eid, k.transpose(1, 2), v.transpose(1, 2), mask,
                 keys_of=lambda events, layer=layer: self.store.keys_of(layer, events),
                 invalidate=lambda uids, layer=layer: self._invalidate(layer, uids),
             )
+            if self.sketch_bits is not None:  # one token per "block": the store finds it by its label
+                self.store.set_labels(layer, eid, labels, mask)
 
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
-        if q.shape[2] != self.heads:
-            raise ValueError(f"certified attention needs one query head per key head, got {q.shape[2]} and {self.heads}")
+        if q.shape[2] % self.heads:
+            raise ValueError(f"certified attention needs a multiple of the {self.heads} key heads as query heads, "
+                             f"got {q.shape[2]}")
         cert = self.certificate(layer, q, keep_contrib=self.recall_tau is not None)
         self.stats["steps"] += 1
         if self.recall_tau is not None:
@@ -176,19 +201,31 @@ class Certifier(CacheObserver):
 
     # --------------------------------------------------------------- certificate
     def certificate(self, layer: int, q: Tensor, *, keep_contrib: bool = False) -> Certificate:
-        """The certificate of attention of ``q [B, chunk, H, D]`` over ``layer``'s slots now
-        (device work, no sync)."""
+        """The certificate of attention of ``q [B, n, Hq, D]`` (the open span's queries; ``Hq`` a
+        multiple of the key heads) over ``layer``'s slots now (device work, no sync). Per key
+        head, the rows are the query heads it serves times the span's queries
+        (:func:`fold_queries`)."""
         s, st = self.summaries[layer], self.storage
-        pos = st.layer_positions(layer)
-        bias = torch.zeros(pos.shape, dtype=torch.float64, device=pos.device).masked_fill_(pos < 0, -math.inf)
-        return certify(q.transpose(1, 2), st.keys[layer].transpose(1, 2), st.values[layer].transpose(1, 2),
-                       bias.unsqueeze(-2), s.lo, s.hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
+        pos = st.layer_positions(layer)  # [H, S]
+        hidden = pos < 0
+        qh = fold_queries(q, self.heads)  # [B, H, G*n, D]
+        if self.causal:  # a query at position p sees the kept keys at positions <= p
+            qpos = torch.arange(*self.cache.open_span[0:1], self.cache.end, device=pos.device)
+            qpos = qpos.repeat(qh.shape[2] // qpos.numel())  # the rows are (group, query) pairs
+            hidden = hidden.unsqueeze(1) | (pos.unsqueeze(1) > qpos.view(1, -1, 1))  # [H, G*n, S]
+        else:
+            hidden = hidden.unsqueeze(1)
+        bias = torch.zeros(hidden.shape, dtype=torch.float64, device=pos.device).masked_fill_(hidden, -math.inf)
+        lo, hi = s.boxes()
+        return certify(qh, st.keys[layer].transpose(1, 2), st.values[layer].transpose(1, 2),
+                       bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
                        n_tokens=self.cache.end, keep_contrib=keep_contrib)
 
     # -------------------------------------------------------------------- recall
     def recall_slots_in_use(self) -> int:
         """Most recall slots any (layer, head) holds now (host bookkeeping)."""
-        return max((sum(n for _, n, _ in segs.values()) for per in self._recalled for segs in per), default=0)
+        R = self.storage.recall_slots
+        return max((R - len(free) for per in self._free for free in per), default=0)
 
     def main_slot_positions(self, layer: int) -> Tensor:
         """Positions of the slots the policy manages (recall slots excluded): ``[H, cap]``."""
@@ -197,8 +234,11 @@ class Certifier(CacheObserver):
     def _release(self, layer: int, head: int, key: tuple[int, int]) -> None:
         """Return a recalled block to the evicted set: its recall slots emptied, its summary
         active again. Moves no data to or from the host."""
-        start, n, _ = self._recalled[layer][head].pop(key)
-        self.storage.clear_recall(layer, head, start, n)
+        slots, _ = self._recalled[layer][head].pop(key)
+        self.storage.clear_recall(layer, head, slots)
+        free = self._free[layer][head]
+        free.extend(slots)
+        free.sort()
         slot = self.summaries[layer].slot_of(key)
         if slot is not None:
             self.summaries[layer].set_active(head, slot, True)
@@ -209,16 +249,6 @@ class Certifier(CacheObserver):
             for key in [k for k in self._recalled[layer][h] if k[0] in uids]:
                 self._release(layer, h, key)
 
-    def _alloc(self, layer: int, head: int, n: int) -> int | None:
-        """First fit of ``n`` recall slots of ``(layer, head)``; None if no gap is big enough."""
-        segs = sorted((st, ln) for st, ln, _ in self._recalled[layer][head].values())
-        at = 0
-        for st, ln in segs:
-            if st - at >= n:
-                return at
-            at = max(at, st + ln)
-        return at if self.storage.recall_slots - at >= n else None
-
     def _recall(self, layer: int, q: Tensor, cert: Certificate, max_rounds: int = 6) -> Certificate:
         """Bring back the evicted blocks that contribute most to the bound until every query of
         the step has ``m_hat <= recall_tau`` (or the recall slots are full: a *shortfall*).
@@ -228,12 +258,13 @@ class Certifier(CacheObserver):
         after which, for every query, the remaining contributions sum to at most
         ``tau / (1 - tau)`` (then ``m_hat <= tau`` even before the recalled tokens raise
         ``Z_K``). The certificate is then recomputed over the new kept set (the plan is only a
-        plan; the guarantee is the recomputed certificate).
+        plan; the guarantee is the recomputed certificate). Recalled blocks stay until their
+        slots are needed: blocks recalled for an earlier span are released first.
         """
         tau = self.recall_tau
         target = math.log(tau / (1.0 - tau))
         recalled_any = False
-        chunk = self.cache.next_chunk
+        epoch = self.cache.open_span[0] if self.cache.is_open else self.cache.end
         for _ in range(max_rounds):
             self.stats["syncs"] += 1
             if not bool((cert.mass > tau).any()):  # the one host sync of a recall step
@@ -256,17 +287,20 @@ class Certifier(CacheObserver):
                 if not over_h[h]:
                     continue
                 todo = [b for b in order_h[h][: max(1, min(plan_k[h], NB))] if active[h][b] and counts[h][b] > 0]
+                need = sum(counts[h][b] for b in todo)
+                free = self._free[layer][h]
+                if need > len(free):  # make room: release blocks recalled for earlier spans
+                    for key in [k for k, (_, e) in self._recalled[layer][h].items() if e < epoch]:
+                        self._release(layer, h, key)
+                taken, room = [], len(free)
                 for b in todo:
-                    n = counts[h][b]
-                    at = self._alloc(layer, h, n)
-                    if at is None:  # make room: release blocks recalled in earlier chunks
-                        for key in [k for k, (_, _, c) in self._recalled[layer][h].items() if c < chunk]:
-                            self._release(layer, h, key)
-                        at = self._alloc(layer, h, n)
-                    if at is None:
-                        self.stats["shortfalls"] += 1
-                        continue
-                    self._recall_block(layer, h, b, n, at, chunk)
+                    if counts[h][b] <= room:
+                        taken.append(b)
+                        room -= counts[h][b]
+                if len(taken) < len(todo):
+                    self.stats["shortfalls"] += 1  # this (step, head) wanted more than the slots hold
+                if taken:
+                    self._recall_blocks(layer, h, taken, [counts[h][b] for b in taken], epoch)
                     progress = True
             if not progress:
                 break
@@ -276,20 +310,33 @@ class Certifier(CacheObserver):
             self.stats["recall_events"] += 1
         return cert
 
-    def _recall_block(self, layer: int, head: int, block: int, n: int, at: int, chunk: int) -> None:
+    def _recall_blocks(self, layer: int, head: int, blocks: list[int], counts: list[int], epoch: int) -> None:
+        """Copy ``blocks`` of ``head`` (``counts`` tokens each) from the host into free recall slots."""
         s = self.summaries[layer]
-        events, group = s.block_events(block)
-        k, v, pos = self.store.gather(layer, events, group, head)
-        if pos.numel() != n:
-            raise RuntimeError(f"store holds {pos.numel()} tokens of block {block} head {head}, summary says {n}")
+        ks, vs, ps = [], [], []
+        for b, n in zip(blocks, counts):
+            events, group = s.recall_rows(head, b)
+            k, v, pos = self.store.gather(layer, events, group, head)
+            if pos.numel() != n:
+                raise RuntimeError(f"store holds {pos.numel()} tokens of block {b} head {head}, summary says {n}")
+            ks.append(k)
+            vs.append(v)
+            ps.append(pos)
+        free = self._free[layer][head]
+        total = sum(counts)
+        slots, self._free[layer][head] = free[:total], free[total:]
         to = self.store.to_device
-        self.storage.write_recall(layer, head, at, to(k).transpose(0, 1), to(v).transpose(0, 1), to(pos))
-        s.set_active(head, block, False)
-        s.seal(block)
-        self._recalled[layer][head][s.block_key(block)] = (at, n, chunk)
-        used = sum(ln for _, ln, _ in self._recalled[layer][head].values())
-        self.stats["recalled_blocks"] += 1
-        self.stats["recalled_tokens"] += n
+        k, v, pos = torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(ps)
+        self.storage.write_recall(layer, head, slots, to(k).transpose(0, 1), to(v).transpose(0, 1), to(pos))
+        at = 0
+        for b, n in zip(blocks, counts):
+            s.set_active(head, b, False)
+            s.seal(b)
+            self._recalled[layer][head][s.block_key(b)] = (slots[at : at + n], epoch)
+            at += n
+        used = self.storage.recall_slots - len(self._free[layer][head])
+        self.stats["recalled_blocks"] += len(blocks)
+        self.stats["recalled_tokens"] += total
         self.stats["recalled_bytes"] += k.nbytes + v.nbytes
         self.stats["peak_slots_used"] = max(self.stats["peak_slots_used"], used)
 
@@ -315,6 +362,14 @@ class Certifier(CacheObserver):
             "summary_blocks": sum(s.nb for s in self.summaries),
             "summary_merges": sum(s.merges for s in self.summaries),
         }
+
+
+def fold_queries(q: Tensor, heads: int) -> Tensor:
+    """``q [B, n, Hq, D]`` -> ``[B, H, (Hq / H) * n, D]``: the query heads each key head serves
+    (query head ``h`` reads key head ``h // (Hq / H)``, as transformers' ``repeat_kv``) laid
+    out as rows ``(group, query)``."""
+    B, n, Hq, D = q.shape
+    return q.transpose(1, 2).reshape(B, heads, (Hq // heads) * n, D)
 
 
 def attach(caches: CacheSet | KVCache, **options: Any) -> dict[str, Certifier] | Certifier:

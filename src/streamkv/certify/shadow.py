@@ -111,9 +111,8 @@ class HistoryCheck(CacheObserver):
             self.steps.append(StepRecord(chunk=chunk_idx))
 
     def on_write(self, cache, layer: int, k: Tensor, v: Tensor) -> None:
-        C = cache.layout.chunk
-        start = self._chunk * C
-        need = start + C
+        start, n = cache.open_span
+        need = start + n
         for store, t in ((self._k, k), (self._v, v)):
             buf = store.get(layer)
             if buf is None or buf.shape[1] < need:
@@ -135,12 +134,13 @@ class HistoryCheck(CacheObserver):
 
     def on_certificate(self, certifier, layer: int, q: Tensor, cert: Certificate) -> None:
         cache = certifier.cache
-        C = cache.layout.chunk
-        N = (self._chunk + 1) * C
+        N = cache.end
         K = self._k[layer][:, :N].transpose(1, 2)  # [B, H, N, D] float64
         V = self._v[layer][:, :N].transpose(1, 2)
         B, H, _, _ = K.shape
-        qh = q.transpose(1, 2).double()  # [B, H, Q, D]
+        from .certifier import fold_queries
+
+        qh = fold_queries(q, H).double()  # [B, H, G*Q, D]: rows (group, query)
         Q = qh.shape[2]
         pos = cache.layer_slot_positions(layer)  # [H, S], recall slots included
         kept = torch.zeros((H, N + 1), dtype=torch.bool, device=K.device)
@@ -149,6 +149,10 @@ class HistoryCheck(CacheObserver):
         if self.check_storage:
             self._check_storage(cache, layer, pos, N)
         s = (qh @ K.transpose(-1, -2)) * certifier.scale  # [B, H, Q, N]
+        if certifier.causal:  # full history for a query at position p: the keys at positions <= p
+            qpos = torch.arange(cache.open_span[0], cache.end, device=K.device)
+            qpos = qpos.repeat(Q // qpos.numel())
+            s = s.masked_fill(torch.arange(N, device=K.device).view(1, -1) > qpos.view(-1, 1), -math.inf)
         ninf = torch.tensor(-math.inf, dtype=torch.float64, device=K.device)
         keptb = kept.view(1, H, 1, N)
         sk = torch.where(keptb, s, ninf)

@@ -97,6 +97,11 @@ class OffloadStore:
         self.entries[(layer, eid)] = entry
         self.bytes_out += keys.nbytes + values.nbytes
 
+    def set_labels(self, layer: int, eid: int, labels: Tensor, mask: Tensor) -> None:
+        """Label event ``eid``'s pairs: ``labels [H, n]`` for the rows ``mask [H, n]`` each head
+        evicted, in the store's head-major order (a summary's recall key for each pair)."""
+        self.entries[(layer, eid)].labels.copy_(labels[mask].to("cpu"))
+
     def _wait(self, entry: StoreEntry) -> None:
         if entry.ready is not None:  # pragma: no cover - needs a GPU
             entry.ready.synchronize()

@@ -399,6 +399,14 @@ class BlockSummaries:
                 s.sealed = True
                 return
 
+    def boxes(self) -> tuple[Tensor, Tensor]:
+        """``(lo, hi)``: the key boxes of the blocks in use."""
+        return self.lo, self.hi
+
+    def recall_rows(self, head: int, block: int) -> tuple[list[int], int]:
+        """``(event ids, group)``: where the store keeps ``block``'s tokens (every head alike)."""
+        return self.block_events(block)
+
     def block_events(self, block: int) -> tuple[list[int], int]:
         """``(event ids, group)`` of block slot ``block``: its tokens for head ``h`` are the
         rows of those events that ``h`` evicted and that carry label ``group``."""

@@ -1,4 +1,4 @@
-"""streamkv caches in Hugging Face transformers 5.x (``pip install 'streamkv[transformers]'``).
+"""streamkv caches in Hugging Face transformers >= 5.24, < 6 (``pip install 'streamkv[transformers]'``).
 
 Usage::
 
@@ -7,7 +7,12 @@ Usage::
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="streamkv")
     cache = skv.build_cache(model.config, "ring", sink=4, window=1020, chunk=256,
                             dtype=model.dtype, device=model.device)
-    out = model.generate(ids, past_key_values=cache, prefill_chunk_size=256, max_new_tokens=64)
+    out = model.generate(ids, cache=cache, prefill_chunk_size=256, max_new_tokens=64)
+
+Needs transformers 5.24 or later in 5.x (tested: 5.24.0): its attention modules call
+``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then the attention function with the same
+kwargs, which is how a layer's read reaches :func:`streamkv_attention` (earlier 5.x releases do
+not pass the kwargs; the import refuses them).
 
 Kinds: ``"ring"`` (sinks + window, nothing retained moves), ``"chronological"`` (the same
 tokens, rolled), and the scored per-head policies ``"mass"`` (``tau=``), ``"h2o"`` and
@@ -33,15 +38,19 @@ order with the mask built from the slot positions and the query positions (occup
 
 The attention function. The ring's buffer is not in position order, and the scored kinds'
 heads hold different positions, so transformers' masks (indexed by key order, one per
-layer) cannot describe them. ``attn_implementation="streamkv"`` (registered in transformers'
-``AttentionInterface`` on import) calls :func:`streamkv.attention.attend` with
-``causal=True`` on the read each layer's ``cache.update`` hands over (through the attention
-kwargs); it also delivers the scored kinds' attention statistics (no second pass, no model
-patching). Any other attention implementation with a :class:`StreamKVCache` is refused.
+layer) cannot describe them. ``attn_implementation="streamkv"`` (registered on import in
+transformers' ``AttentionInterface`` and ``AttentionMaskInterface``) calls
+:func:`streamkv.attention.attend` with ``causal=True`` on the read each layer's
+``cache.update`` hands over (through the attention kwargs); it also delivers the scored
+kinds' attention statistics (no second pass, no model patching). Its mask function only
+checks the 2D padding mask, before any layer runs. Another attention implementation with a
+:class:`StreamKVCache` is refused: before any layer runs when the cache was built from the
+model's config (:func:`build_cache`), else at the next layer's ``update`` (for a one-layer
+model, at the next forward).
 
-Supported: ``generate()`` (greedy and sampling, ``prefill_chunk_size``, streamers, stopping
-criteria), batches without padding (every row at the same positions), forward loops
-``model(ids, past_key_values=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
+Supported: ``generate()`` (tested: greedy, with and without ``prefill_chunk_size``; sampling
+runs the same forwards), batches without padding (every row at the same positions), forward loops
+``model(input_ids=ids, cache=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
 ``cache.reset()``, ``torch.compile`` of the decode step with the ring (call
 ``cache.prepare_step(n)`` before each compiled forward and pass ``position_ids`` and no
 ``attention_mask``: one graph, no recompiles across wraps; without ``prepare_step`` the
@@ -57,52 +66,56 @@ position ids that are not the stream's next positions (left padding, restarts), 
 or selection, offloading, a forward longer than ``chunk``, sliding-window / chunked /
 linear-attention layers, attention logit soft-capping, attention sinks (``s_aux``),
 position bias, packed sequences (``cu_seq_lens``), non-causal attention, attention dropout
-in training, ``output_attentions=True``, K/V requiring grad, encoder-decoder models, and
-any other attention implementation (``get_mask_sizes`` raises).
+in training, ``output_attentions=True``, custom 4D masks, K/V requiring grad, K/V of another
+batch size, dtype or device, encoder-decoder models, and other attention implementations.
+A refusal before the first layer's write (mask, position ids, forward length, K/V that do not
+fit) leaves the cache unchanged. A forward that stops inside the model (an exception in a
+later layer) leaves its span incomplete: the cache then refuses every forward until
+``cache.reset()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+_NEEDS = "transformers>=5.24,<6"
 try:
+    import transformers
+    from packaging.version import Version
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "streamkv.integrations.transformers needs transformers>=5,<6: pip install 'streamkv[transformers]'"
-    ) from exc
+        f"streamkv.integrations.transformers needs {_NEEDS}: pip install 'streamkv[transformers]'") from exc
 
 from ..attention import attend
-from ..caches import CACHE_KINDS
+from ..caches import CACHE_KINDS, KVRead
 from .transformers_cache import (
     ATTN_IMPLEMENTATION,
     KWARG,
     Handoff,
     StreamKVCache,
     StreamKVLayer,
+    check_attention_kwargs,
 )
+
+if not Version("5.24") <= Version(transformers.__version__) < Version("6"):  # pragma: no cover - environment
+    raise ImportError(
+        f"streamkv.integrations.transformers needs {_NEEDS} (from 5.24 on, attention modules hand their kwargs to "
+        f"cache.update, which is how the cache's read reaches the attention function); found {transformers.__version__}"
+    )
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "KINDS", "StreamKVCache", "StreamKVLayer", "build_cache", "cache_shape",
-    "register", "streamkv_attention",
+    "register", "streamkv_attention", "streamkv_mask",
 ]
 
 #: the cache kinds :func:`build_cache` makes
 KINDS = tuple(CACHE_KINDS)
-
-# kwargs of transformers' attention call that change what attention computes (refused)
-_REFUSED_KWARGS = {
-    "sliding_window": "sliding-window layers (the cache's own window replaces them)",
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks (s_aux)",
-    "position_bias": "position bias",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
-}
 
 
 def streamkv_attention(
@@ -121,7 +134,8 @@ def streamkv_attention(
         module: the attention module (its ``layer_idx`` must match the read's layer).
         query: ``[B, H_q, T, D]``, RoPE applied; ``H_q`` a multiple of the key heads.
         key, value: what the cache's ``update`` returned (the layer's physical buffers).
-        attention_mask: None, or a 2D ``[B, positions entered]`` mask of ones (padding refused).
+        attention_mask: None: :func:`streamkv_mask` checked the 2D mask and returned None; a
+            mask that reaches here did not come from it (a custom 4D mask) and is refused.
         dropout: must be 0 (no attention dropout in training).
         scaling: the softmax scale (default ``1/sqrt(D)``).
         kwargs: the attention kwargs; ``kwargs["streamkv"]`` is the layer's handoff.
@@ -135,30 +149,28 @@ def streamkv_attention(
     if not isinstance(handoff, Handoff):
         raise RuntimeError(  # noqa: TRY004 - a missing cache, not a value of the wrong type
             "attn_implementation='streamkv' needs a StreamKVCache (streamkv.integrations.transformers.build_cache) "
-            "passed as past_key_values, and a model that hands its attention kwargs to cache.update"
+            "passed as cache= (or past_key_values=), and a model that hands its attention kwargs to "
+            "cache.update"
         )
     read, layer = handoff.read, handoff.layer
     if getattr(module, "layer_idx", layer) != layer:
         raise RuntimeError(f"the cache read is for layer {layer}, the attention module is layer {module.layer_idx}")
     if key is not read.keys or value is not read.values:
         raise RuntimeError(f"layer {layer}: key/value are not the buffers the StreamKVCache returned")
-    for name, what in _REFUSED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"the streamkv attention does not support {what} ({name}={kwargs[name]!r} was passed)")
-    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise ValueError("the streamkv attention is causal; non-causal attention (is_causal=False) is refused")
-    if kwargs.get("output_attentions"):
-        raise ValueError("the streamkv attention does not return attention weights (output_attentions=True)")
+    check_attention_kwargs(kwargs)
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError("the streamkv attention is causal; a non-causal attention module is refused")
     if dropout:
         raise ValueError(f"the streamkv attention has no attention dropout; got dropout={dropout} (model.eval())")
     if attention_mask is not None:
         raise ValueError(
             f"the streamkv attention builds its mask from the cache's slot positions; got a "
-            f"{type(attention_mask).__name__} mask that did not come from the streamkv mask function (a custom 4D mask?)"
+            f"{type(attention_mask).__name__} mask that did not come from the streamkv mask function "
+            f"(a custom 4D mask?)"
         )
     out, _ = attend(query, read, causal=True, scale=scaling)
     out = out.transpose(1, 2)
-    handoff.cache.attended(layer, out)
+    handoff.cache.attended(layer, query, read, out)
     return out, None
 
 
@@ -201,7 +213,6 @@ def streamkv_mask(
     if not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask has padding (zeros): StreamKVCache refuses padded batches (every row must be "
                          "at the same positions: batch 1, or prompts of equal length)")
-    return
 
 
 def register() -> None:
@@ -247,7 +258,7 @@ def build_cache(
     batch_size: int = 1,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    on_attention: Any = None,
+    on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None,
     **policy_params: Any,
 ) -> StreamKVCache:
     """A :class:`StreamKVCache` of ``kind`` for a model config.
@@ -263,21 +274,28 @@ def build_cache(
         on_attention: see :class:`StreamKVCache`.
         policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
 
-    The buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window, head_dim]``
-    (``cache.kv.nbytes``). Raises ``ValueError``/``TypeError`` naming the bad size, as the
-    core does (e.g. scored kinds need ``window >= 2 * chunk``).
+    Memory: the buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window,
+    head_dim]`` (``cache.kv.nbytes``) whatever the kind, so equal ``memory_tokens`` is equal
+    KV memory. What is attended: the ring and the chronological path hold up to
+    ``sink + window`` positions (the open span included); the scored kinds keep at most
+    ``sink + window - chunk`` after each commit (``chunk`` slots stay free for the next span),
+    so a larger ``chunk`` costs them retained tokens.
+
+    Raises ``ValueError``/``TypeError`` naming the bad size, as the core does (e.g. scored
+    kinds need ``window >= 2 * chunk``), and as :func:`cache_shape` for configs.
     """
     if kind not in CACHE_KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if (window is None) == (memory_tokens is None):
         raise TypeError(f"give exactly one of window= and memory_tokens=, got window={window!r}, "
                         f"memory_tokens={memory_tokens!r}")
+    for name, value in (("sink", sink), ("window", window), ("memory_tokens", memory_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if window is None:
-        if isinstance(memory_tokens, bool) or not isinstance(memory_tokens, int) or memory_tokens <= sink:
-            raise ValueError(f"memory_tokens must be an int > sink={sink}, got {memory_tokens!r}")
+        if memory_tokens <= sink:
+            raise ValueError(f"memory_tokens (sink + window) must be > sink={sink}, got {memory_tokens}")
         window = memory_tokens - sink
-    if isinstance(sink, bool) or not isinstance(sink, int) or isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"sink and window must be ints, got sink={sink!r}, window={window!r}")
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     k_shape = cache_shape(cfg, batch_size, sink + window)
     kv = CACHE_KINDS[kind](

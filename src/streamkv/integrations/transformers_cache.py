@@ -28,12 +28,38 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..caches import KVCache, KVRead
 
-__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer"]
+__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs"]
 
 #: the attention-kwargs key under which a layer's update hands its read to the attention function
 KWARG = "streamkv"
 #: the ``attn_implementation`` name of the streamkv attention function
 ATTN_IMPLEMENTATION = "streamkv"
+
+
+# attention kwargs that change what attention computes: refused
+_REFUSED_KWARGS = {
+    "sliding_window": "sliding-window layers (the cache's own window replaces them)",
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks (s_aux)",
+    "position_bias": "position bias",
+    "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
+    "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
+}
+
+
+def check_attention_kwargs(attn_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if the attention kwargs ask for what the streamkv attention does
+    not compute (sliding window, soft-capping, attention sinks, position bias, packed
+    sequences, non-causal attention, attention weights). The cache checks them at each
+    layer's ``update``, before anything is written; the attention function again."""
+    for name, what in _REFUSED_KWARGS.items():
+        if attn_kwargs.get(name) is not None:
+            raise ValueError(
+                f"the streamkv attention does not support {what} ({name}={attn_kwargs[name]!r} was passed)")
+    if attn_kwargs.get("is_causal") is False:
+        raise ValueError("the streamkv attention is causal; is_causal=False is refused")
+    if attn_kwargs.get("output_attentions"):
+        raise ValueError("the streamkv attention does not return attention weights (output_attentions=True)")
 
 
 class Handoff:
@@ -86,6 +112,7 @@ class StreamKVLayer(CacheLayerMixin):
         return self.owner.kv.layout.capacity
 
     def reset(self) -> None:
+        """Resets the whole cache: the layers share one stream."""
         self.owner.reset()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
@@ -124,9 +151,12 @@ class StreamKVCache(Cache):
         config: optional, the model's (text) config: ``get_mask_sizes`` then refuses a model
             whose config names another attention implementation before any layer runs
             (without it, a foreign attention is caught at the next layer's update).
-        on_attention: optional ``fn(layer, out)`` called by the attention function with each
-            layer's attention output ``out`` (``[B, T, H_q, D]``, before ``o_proj``): per-layer
-            outputs for evaluations. Traced along under ``torch.compile``.
+        on_attention: optional ``fn(layer, query, read, out)`` called by the attention
+            function after each layer: ``query`` ``[B, H_q, T, D]`` (RoPE applied), the
+            :class:`~streamkv.caches.KVRead` it attended to (physical ``keys``/``values``,
+            slot ``positions``, ``query_positions``) and the output ``out`` ``[B, T, H_q, D]``
+            (before ``o_proj``): per-layer outputs and attention for evaluations. It must not
+            modify them. Traced along under ``torch.compile``.
 
     Mutation: every forward writes the span's K/V in place (buffers never move); state lives
     in ``kv`` and three host counters here. Use under ``torch.no_grad()`` /
@@ -134,7 +164,7 @@ class StreamKVCache(Cache):
     """
 
     def __init__(self, kv: KVCache, *, config: Any = None,
-                 on_attention: Callable[[int, Tensor], None] | None = None) -> None:
+                 on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None) -> None:
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a streamkv KVCache, got {type(kv).__name__}")
         if len(kv.k_shape) != 4 or kv.seq_dim != 2 or kv.head_dim != 1:
@@ -223,7 +253,9 @@ class StreamKVCache(Cache):
                 the streamkv attention function; a model that does not pass its attention
                 kwargs to ``cache.update`` (``kwargs=``).
             ValueError / TypeError: K/V that do not fit the cache (batch, heads, dims, dtype,
-                device), ``n`` outside ``[1, chunk]``, position ids that are not the stream's.
+                device), ``n`` outside ``[1, chunk]``, position ids that are not the stream's,
+                attention kwargs the streamkv attention does not serve
+                (:func:`check_attention_kwargs`). All raised before layer 0 changes anything.
         """
         L = self.num_layers
         attn_kwargs = kwargs.get("kwargs")
@@ -233,6 +265,7 @@ class StreamKVCache(Cache):
                 "(transformers' Llama/Qwen2-style attention modules do): it carries the cache read to the streamkv "
                 "attention function; this model's attention module does not pass it"
             )
+        check_attention_kwargs(attn_kwargs)
         self.check_states(key_states, value_states, layer_idx)
         if layer_idx == 0 and not self._prepared:
             self._advance(key_states.shape[-2], attn_kwargs.get("position_ids"))
@@ -257,12 +290,12 @@ class StreamKVCache(Cache):
                 f"model with attn_implementation='streamkv', and call reset() to start the stream again"
             )
 
-    def attended(self, layer: int, out: Tensor) -> None:
+    def attended(self, layer: int, query: Tensor, read: KVRead, out: Tensor) -> None:
         """Called by the attention function once layer ``layer`` attended (``out``:
         ``[B, T, H_q, D]``); calls ``on_attention``."""
         self._attended += 1
         if self.on_attention is not None:
-            self.on_attention(layer, out)
+            self.on_attention(layer, query, read, out)
 
     def check_states(self, key_states: Tensor, value_states: Tensor, layer: int) -> None:
         """Raise ``ValueError``/``TypeError`` unless K/V ``[B, H_kv, n, D]`` fit the cache
@@ -311,9 +344,10 @@ class StreamKVCache(Cache):
         impl = getattr(self.config, "_attn_implementation", ATTN_IMPLEMENTATION)
         if impl != ATTN_IMPLEMENTATION:
             raise RuntimeError(
-                f"StreamKVCache ({self.kv.name}) needs attn_implementation='streamkv' (its keys lie in slot order); the "
-                f"model config it was built for has {impl!r}: load the model with attn_implementation='streamkv' or "
-                f"call model.set_attn_implementation('streamkv'), and build the cache from model.config"
+                f"StreamKVCache ({self.kv.name}) needs attn_implementation='streamkv' (its keys lie in slot order); "
+                f"the model config it was built for has {impl!r}: load the model with "
+                f"attn_implementation='streamkv' or call model.set_attn_implementation('streamkv'), and build the "
+                f"cache from model.config"
             )
         return self.get_seq_length() + query_length, 0
 
@@ -325,7 +359,8 @@ class StreamKVCache(Cache):
 
     # ------------------------------------------------------------------ refused
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        raise RuntimeError(_refusal("beam search (reorder_cache)", "one stream per batch row; use greedy or sampling"))
+        raise RuntimeError(
+            _refusal("beam search (reorder_cache)", "one stream per batch row; use greedy or sampling"))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError(_refusal(

@@ -24,6 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "certify": ("certify", "certified streaming attention: per-query bound on evicted mass and error, recall"),
     "budget": ("budget", "the streaming mass-budget cache vs window, H2O and the oracle: error vs memory, holdout"),
     "fuzz": ("fuzz", "differential fuzzer: random layouts and calls, rejected calls change nothing, reads exact"),
+    "train-toy": ("train_toy", "train the toy streaming video DiT on procedural clips (CPU); write its weights"),
+    "video-eval": ("video_eval", "cache policies judged on the trained toy's video memory: frames, tracking, "
+                   "re-entry, revisit, attention, oracle"),
 }
 
 

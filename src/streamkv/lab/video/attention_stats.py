@@ -28,7 +28,7 @@ from torch import Tensor
 
 from streamkv.caches import CacheObserver, KVCache
 
-__all__ = ["AttentionProfile", "CLASSES"]
+__all__ = ["AttentionProfile", "CLASSES", "profile_json"]
 
 CLASSES = ("sink", "self", "recent", "far")
 
@@ -90,14 +90,16 @@ class AttentionProfile(CacheObserver):
     def on_reset(self, cache: KVCache) -> None:
         self._pass, self._layers_seen = 0, set()
 
-    def summary(self) -> dict:
-        """Per pass: mean mass per class, per (layer, head) and overall (JSON-ready)."""
-        out = {}
-        for key in sorted(self.sums):
-            mean = self.sums[key] / max(1, self.counts[key])  # [L, H, 4]
-            out[str(key)] = {
-                "queries": self.counts[key],
-                "overall": dict(zip(CLASSES, mean.mean((0, 1)).tolist())),
-                "per_layer_head": {c: mean[..., i].tolist() for i, c in enumerate(CLASSES)},
-            }
-        return out
+
+def profile_json(sums: dict[int, Tensor], counts: dict[int, int]) -> dict:
+    """Per pass: mean mass per class overall, per layer and per (layer, head), from the
+    ``sums`` / ``counts`` of one or more profiles added together (JSON-ready)."""
+    out: dict = {"classes": list(CLASSES), "passes": {}}
+    for k in sorted(sums):
+        mean = sums[k] / max(1, counts[k])  # [L, H, 4]
+        out["passes"][str(k)] = {
+            "queries": counts[k], "overall": dict(zip(CLASSES, mean.mean((0, 1)).tolist())),
+            "per_layer": {c: mean[..., i].mean(-1).tolist() for i, c in enumerate(CLASSES)},
+            "per_layer_head": {c: mean[..., i].tolist() for i, c in enumerate(CLASSES)},
+        }
+    return out

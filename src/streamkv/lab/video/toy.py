@@ -25,8 +25,8 @@ from streamkv.models import CausalVideoDiT, get_config
 from streamkv.models.config import DiTConfig
 from streamkv.rollout import Schedule, StreamingRollout
 
-__all__ = ["CONFIG", "PROMPT", "SCHEDULE", "CONTEXT_FRAMES", "WEIGHTS", "METADATA", "toy_config", "load_model",
-           "save_model", "geometry_model", "stream"]
+__all__ = ["CONFIG", "PROMPT", "SCHEDULE", "CONTEXT_FRAMES", "WEIGHTS", "METADATA", "EXPECTED", "toy_config",
+           "load_model", "save_model", "geometry_model", "stream", "check_rollout", "training_horizon"]
 
 CONFIG = "toy"
 PROMPT = "sprites bouncing in a panning world"
@@ -34,6 +34,10 @@ SCHEDULE = Schedule(timesteps=(1000.0, 750.0, 500.0, 250.0), shift=1.0)
 CONTEXT_FRAMES = 4
 WEIGHTS = Path(__file__).resolve().parent / "weights" / "toy.safetensors"
 METADATA = WEIGHTS.with_name("toy.json")
+EXPECTED = WEIGHTS.with_name("toy_expected.safetensors")
+#: the check rollout: held-out clip (CHECK_SEED, 0), CHECK_FRAMES frames, ring, noise seed 0
+CHECK_SEED = 99_001
+CHECK_FRAMES = 12
 
 
 def toy_config(*, sink_frames: int | None = None, window_frames: int | None = None) -> DiTConfig:
@@ -109,3 +113,25 @@ def stream(model: CausalVideoDiT, context: Tensor, total_frames: int, *, cache: 
     out = [roll.prefill_chunk(context[:, :, i : i + fpc]) for i in range(0, f0, fpc)]
     out += [roll.generate_chunk() for _ in range((total_frames - f0) // fpc)]
     return torch.cat(out, dim=2)
+
+
+def training_horizon(path: str | Path = WEIGHTS) -> int:
+    """The training window (frames) recorded in the weights' header by ``streamkv train-toy``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("streamkv", "{}"))
+    if "frames" not in meta:
+        raise ValueError(f"{path} does not record its training window (no 'frames' in its streamkv header)")
+    return int(meta["frames"])
+
+
+def check_rollout(model: CausalVideoDiT) -> Tensor:
+    """The stored-expectation rollout: clip ``(CHECK_SEED, 0)``, its first
+    :data:`CONTEXT_FRAMES` frames committed, the rest to :data:`CHECK_FRAMES` generated
+    with the model's own (ring) cache and noise seed 0. Returns latents ``[1, 3, T, 16, 16]``."""
+    from .data import make_clip, to_latents
+
+    rgb = make_clip(CHECK_SEED, 0, CHECK_FRAMES)[2]
+    ctx = to_latents(rgb)[None][:, :, :CONTEXT_FRAMES]
+    return stream(model, ctx, CHECK_FRAMES, cache="ring", seed=0)

@@ -1,0 +1,246 @@
+"""Key sketches: every evicted key kept on the device as a few bits per channel, with a per-token
+bound on how far the sketch is from the key, so that each query's logit to each evicted token is
+bounded tightly (the two-tier cache's middle tier).
+
+Per layer and head, the evicted keys are quantized in *blocks* of ``block_tokens`` tokens (the
+tokens one head evicts, in eviction order): per block and channel ``c`` a float32 zero ``z_c``, a
+step ``s_c = (max_c - min_c) / (2^bits - 1)`` and the largest reconstruction error ``e_c`` (float32,
+rounded up), and per token a ``bits``-bit code ``n_c`` (8 bits: one byte; 4 bits: two codes a byte).
+The key a code stands for is ``k_hat_c = z_c + n_c s_c`` (computed in float64, exactly as at
+quantization time), and ``|k_c - k_hat_c| <= e_c`` for every token of the block and channel, by
+construction (``e_c`` is measured, not assumed). Tokens of a block not yet full (at most
+``block_tokens - 1`` per head) stay exact (``k_hat = k``, ``e = 0``) until it fills.
+
+So the sketch gives every evicted token a box ``[k_hat - e, k_hat + e]``: the certificate
+(:func:`~streamkv.certify.bound.certify`) takes one box per token, and its logit bound
+``scale * (q . k_hat + |q| . e)`` is at most ``2 scale |q| . e`` above the true logit. With
+8-bit codes over blocks of 32 tokens that slack is a small fraction of a nat on real keys,
+where a box over a block of 24 keys is several.
+
+Memory (device): ``bits/8 x D`` bytes per token for the codes, ``12 x D`` bytes per block of
+``block_tokens`` tokens for zero / step / error (per batch element), 5 bytes per token of
+bookkeeping (live flag, block index), the pending exact keys, and the evicted value box. The
+full-precision evicted K/V live on the host (recall reads them from there).
+
+The interface is that of :class:`~streamkv.certify.summary.BlockSummaries` where the
+:class:`~streamkv.certify.Certifier` uses it; a "block" of this class is one token of one head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["KeySketch"]
+
+
+class KeySketch:
+    """Per-token key sketches of one layer (see the module docstring).
+
+    Args:
+        batch, heads, head_dim, value_dim: lane and feature sizes.
+        device: where the sketch lives (the cache's device).
+        bits: code width, 8 or 4.
+        block_tokens: tokens per quantization block (per head).
+        value_dtype: dtype of the values (the value box).
+    """
+
+    def __init__(self, *, batch: int, heads: int, head_dim: int, value_dim: int, device: torch.device | str,
+                 bits: int = 8, block_tokens: int = 32, value_dtype: torch.dtype = torch.float32) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        if bits == 4 and head_dim % 2:
+            raise ValueError(f"4-bit codes pack two channels a byte: head_dim must be even, got {head_dim}")
+        self.B, self.H, self.D, self.Dv = batch, heads, head_dim, value_dim
+        self.device = torch.device(device)
+        self.bits, self.block_tokens, self.value_dtype = bits, block_tokens, value_dtype
+        self.merges = 0  # the interface of BlockSummaries (a sketch never merges)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        B, H, D, dev = self.B, self.H, self.D, self.device
+        self._cap = 0
+        self.nb = 0  # token slots per head (the longest head's count)
+        self.n = [0] * H  # tokens per head
+        self.quantized = [0] * H  # of which quantized (the rest are pending, exact)
+        self.blocks = [0] * H  # quantization blocks per head
+        self._codes = torch.zeros((B, H, 0, self._code_width()), dtype=torch.uint8, device=dev)
+        self._exact = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)  # pending tokens only
+        self._tok_block = torch.full((H, 0), -1, dtype=torch.int32, device=dev)
+        self._live = torch.zeros((H, 0), dtype=torch.bool, device=dev)
+        self._zero = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
+        self._step = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
+        self._err = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
+        self.vlo = torch.full((B, H, self.Dv), math.inf, dtype=self.value_dtype, device=dev)
+        self.vhi = torch.full((B, H, self.Dv), -math.inf, dtype=self.value_dtype, device=dev)
+        self.peak_bytes = 0
+        # host bookkeeping for recall: per (head, token) the store's (event id, label)
+        self._origin: list[list[tuple[int, int]]] = [[] for _ in range(H)]
+
+    def _code_width(self) -> int:
+        return self.D if self.bits == 8 else self.D // 2
+
+    def _grow(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = max(need, 2 * self._cap, 64)
+        nb_cap = -(-cap // self.block_tokens) + self.H
+
+        def grown(t: Tensor, dim: int, size: int, fill) -> Tensor:
+            shape = list(t.shape)
+            shape[dim] = size
+            out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+            out.narrow(dim, 0, t.shape[dim]).copy_(t)
+            return out
+
+        self._codes = grown(self._codes, 2, cap, 0)
+        self._exact = grown(self._exact, 2, cap, 0.0)
+        self._tok_block = grown(self._tok_block, 1, cap, -1)
+        self._live = grown(self._live, 1, cap, False)
+        for name in ("_zero", "_step", "_err"):
+            setattr(self, name, grown(getattr(self, name), 2, max(nb_cap, getattr(self, name).shape[2]), 0.0))
+        self._cap = cap
+
+    # ------------------------------------------------------------- adding
+    def add(self, event_id: int, keys: Tensor, values: Tensor, mask: Tensor, **_: object) -> Tensor:
+        """Absorb one eviction event: ``keys [B, H, n, D]``, ``values [B, H, n, Dv]``, ``mask [H, n]``
+        (which rows each head evicts). Returns ``[H, n]`` int64 labels: row ``i`` of head ``h`` is that
+        head's ``label``-th evicted row of the event (the store's recall key). One host read of the
+        mask (the per-head counts)."""
+        H = self.H
+        counts = mask.sum(-1).tolist()
+        labels = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        self._grow(max(self.n[h] + counts[h] for h in range(H)))
+        for h in range(H):
+            m = counts[h]
+            if not m:
+                continue
+            rows = mask[h].nonzero().flatten()
+            start = self.n[h]
+            self._exact[:, h, start : start + m] = keys[:, h].index_select(1, rows).float()
+            self._live[h, start : start + m] = True
+            self._origin[h] += [(event_id, j) for j in range(m)]
+            self.n[h] += m
+            while self.n[h] - self.quantized[h] >= self.block_tokens:
+                self._quantize(h, self.block_tokens)
+        vpos = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
+        m4 = mask.unsqueeze(0).unsqueeze(-1)
+        self.vlo = torch.minimum(self.vlo, torch.where(m4, values, vpos).amin(dim=-2).to(self.value_dtype))
+        self.vhi = torch.maximum(self.vhi, torch.where(m4, values, -vpos).amax(dim=-2).to(self.value_dtype))
+        self.nb = max(self.n)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        return labels
+
+    def _quantize(self, h: int, m: int) -> None:
+        """Quantize head ``h``'s next ``m`` pending tokens as one block."""
+        s0 = self.quantized[h]
+        k = self._exact[:, h, s0 : s0 + m].double()  # [B, m, D]
+        lo, hi = k.amin(1), k.amax(1)  # [B, D]
+        levels = 2**self.bits - 1
+        zero = lo.float()
+        step = ((hi - lo) / levels).float()
+        z64, s64 = zero.double().unsqueeze(1), step.double().unsqueeze(1)
+        codes = torch.where(s64 > 0, ((k - z64) / torch.where(s64 > 0, s64, 1.0)).round(), 0.0).clamp(0, levels)
+        k_hat = z64 + codes * s64  # what the certificate will compute, in the same float64 ops
+        err = (k - k_hat).abs().amax(1)  # [B, D]
+        err32 = torch.nextafter(err.float(), torch.tensor(math.inf))  # rounded up: never below the truth
+        b = self.blocks[h]
+        self._zero[:, h, b], self._step[:, h, b], self._err[:, h, b] = zero, step, err32
+        c8 = codes.to(torch.uint8)
+        if self.bits == 4:
+            c8 = c8[..., 0::2] | (c8[..., 1::2] << 4)
+        self._codes[:, h, s0 : s0 + m] = c8
+        self._tok_block[h, s0 : s0 + m] = b
+        self._exact[:, h, s0 : s0 + m] = 0.0  # the exact copy is dropped: the sketch holds the token
+        self.blocks[h] += 1
+        self.quantized[h] += m
+
+    # ------------------------------------------------------------ reading
+    def _boxes(self) -> tuple[Tensor, Tensor]:
+        """``(k_hat, e)`` float64 ``[B, H, nb, D]`` for every token slot (pending tokens exact)."""
+        nb = self.nb
+        codes = self._codes[:, :, :nb]
+        if self.bits == 4:
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        blk = self._tok_block[:, :nb].clamp(min=0).long()  # [H, nb]
+        idx = blk.unsqueeze(0).unsqueeze(-1).expand(self.B, -1, -1, self.D)
+        z = self._zero.gather(2, idx).double()
+        s = self._step.gather(2, idx).double()
+        e = self._err.gather(2, idx).double()
+        k_hat = z + codes.double() * s
+        pending = (self._tok_block[:, :nb] < 0).unsqueeze(0).unsqueeze(-1)
+        k_hat = torch.where(pending, self._exact[:, :, :nb].double(), k_hat)
+        e = torch.where(pending, 0.0, e)
+        return k_hat, e
+
+    @property
+    def lo(self) -> Tensor:
+        k_hat, e = self._boxes()
+        return k_hat - e
+
+    @property
+    def hi(self) -> Tensor:
+        k_hat, e = self._boxes()
+        return k_hat + e
+
+    def boxes(self) -> tuple[Tensor, Tensor]:
+        """``(lo, hi)`` float64 ``[B, H, nb, D]``: one box per token slot (dead slots: anything)."""
+        k_hat, e = self._boxes()
+        return k_hat - e, k_hat + e
+
+    @property
+    def count(self) -> Tensor:
+        """``[H, nb]`` int32: 1 where a token slot exists (the recall planner's block sizes)."""
+        nb = self.nb
+        ar = torch.arange(nb, device=self.device)
+        return (ar.unsqueeze(0) < torch.tensor(self.n, device=self.device).unsqueeze(1)).to(torch.int32)
+
+    @property
+    def active(self) -> Tensor:
+        """``[H, nb]`` bool: the token is evicted now (not recalled)."""
+        return self._live[:, : self.nb]
+
+    def log_count(self) -> Tensor:
+        """``[1, H, nb]`` float64: 0 for live tokens, ``-inf`` otherwise."""
+        return torch.where(self.active, 0.0, -math.inf).to(torch.float64).unsqueeze(0)
+
+    def evicted_count(self) -> Tensor:
+        """``[H]``: tokens the sketch counts as evicted now."""
+        return self.active.sum(-1)
+
+    def summarised_tokens(self) -> Tensor:
+        return torch.tensor(sum(self.n), dtype=torch.int64)
+
+    # ------------------------------------------------------------- recall
+    def block_key(self, block: int) -> tuple[int, int]:
+        return 0, block
+
+    def slot_of(self, key: tuple[int, int]) -> int | None:
+        return key[1]
+
+    def set_active(self, head: int, block: int, active: bool) -> None:
+        self._live[head, block] = active
+
+    def seal(self, block: int) -> None:
+        """Nothing to seal: a token's sketch never changes."""
+
+    def recall_rows(self, head: int, block: int) -> tuple[list[int], int]:
+        """``([event id], label)``: where the store keeps this head's token ``block``."""
+        eid, label = self._origin[head][block]
+        return [eid], label
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes in use: codes, per-block zero/step/error, per-token live flag and block
+        index, pending exact keys, the value box."""
+        codes = sum(self.n) * self.B * self._code_width()
+        blocks = sum(self.blocks) * self.B * self.D * 3 * 4
+        per_token = sum(self.n) * (1 + 4)
+        pending = sum(n - q for n, q in zip(self.n, self.quantized)) * self.B * self.D * 4
+        vbox = 2 * self.B * self.H * self.Dv * torch.empty((), dtype=self.value_dtype).element_size()
+        return codes + blocks + per_token + pending + vbox

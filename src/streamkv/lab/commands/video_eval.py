@@ -1,0 +1,46 @@
+"""``streamkv video-eval``: cache policies judged on the trained toy's video memory: error of
+each streamed frame against the full-history rollout, tracking / re-entry / revisit scores from
+the ground truth, the model's attention profile and the per-query oracle (JSON and plots)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from streamkv.lab.video.evaluate import EvalConfig
+
+    d = EvalConfig()
+    p.add_argument("--clips", type=int, default=d.clips, help=f"held-out clips (default {d.clips})")
+    p.add_argument("--frames", type=int, default=d.frames, help=f"frames per stream (default {d.frames})")
+    p.add_argument("--capacities", type=int, nargs="+", default=list(d.capacities),
+                   help=f"cache memory in frames, sink included (default {' '.join(map(str, d.capacities))})")
+    p.add_argument("--tau", type=float, default=d.tau, help=f"mass budget of the 'mass' cache (default {d.tau})")
+    p.add_argument("--weights", default=None, help="weights (default: the packaged toy weights)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--json", default="out/video_eval.json", help="result JSON (default out/video_eval.json)")
+    p.add_argument("--plot", default="out/video_eval.png", help="plot PNG (default out/video_eval.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment, threads
+    from streamkv.lab.video.evaluate import EvalConfig, evaluate
+    from streamkv.lab.video.report import plot_eval, print_eval
+    from streamkv.lab.video.toy import WEIGHTS, load_model, training_horizon
+
+    weights = args.weights or WEIGHTS
+    cfg = EvalConfig(clips=args.clips, frames=args.frames, capacities=tuple(args.capacities), tau=args.tau,
+                     horizon=training_horizon(weights))
+    console = make_console()
+    model = load_model(weights)
+    with threads(args.threads), console.status("") as status:
+        result = evaluate(model, cfg, progress=lambda what: status.update(f"streaming {what}"))
+    result["weights"] = str(weights)
+    result["versions"] = environment("cpu")
+    print_eval(console, result)
+    write_json(args.json, result)
+    plot_eval(result, args.plot)
+    console.print(f"wrote {args.json} and {args.plot}")
+    return 0
