@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_same_state, snapshot
-from streamkv import CacheSet, KVCache, RingCache
+from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
 from streamkv.compat.flashdreams import CircularBlockKVCache
 from streamkv.models import CausalVideoDiT, get_config

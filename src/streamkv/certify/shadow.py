@@ -218,9 +218,10 @@ class HistoryCheck(CacheObserver):
         rem = ps.flip(-1).cumsum(-1).flip(-1)  # rem[k] = mass left after recalling the first k
         rem = torch.cat([rem, torch.zeros_like(rem[..., :1])], -1)
         ok = (rem <= self.tau).all(dim=2).all(dim=0)  # [H, N + 1]
-        need = torch.where(ok, torch.arange(N + 1, device=s.device), N + 1).amin(-1).amax()
+        need_h = torch.where(ok, torch.arange(N + 1, device=s.device), N + 1).amin(-1)  # [H]
+        self._acc("oracle_recall_total", need_h.sum(), "sum")
         st = self.steps[-1]
-        st.oracle_recall = max(st.oracle_recall, int(need))
+        st.oracle_recall = max(st.oracle_recall, int(need_h.amax()))
         st.recall_in_use = max(st.recall_in_use, certifier.recall_slots_in_use())
 
     def _check_storage(self, cache, layer: int, pos: Tensor, N: int) -> None:
@@ -259,6 +260,7 @@ class HistoryCheck(CacheObserver):
             out["tau"] = self.tau
             out["over_tau"] = acc.get("over_tau", 0)
             out["oracle_recall_peak"] = max((st.oracle_recall for st in self.steps), default=0)
+            out["oracle_recall_total"] = acc.get("oracle_recall_total", 0)  # tokens, summed over steps and heads
             out["recall_in_use_peak"] = max((st.recall_in_use for st in self.steps), default=0)
         out.update(tightness_stats(ratios))
         out["tightness_by_true_mass"] = self.tightness_by_true_mass()

@@ -54,7 +54,15 @@ def _covered(runs: tuple[Run, ...], end: int) -> tuple[Run, ...]:
         at = slot + n
     if at < end:
         out.append((at, UNKNOWN, end - at))
-    return tuple(r for r in out if r[0] < end)
+    merged: list[Run] = []
+    for slot, pos, n in out:  # one run per stretch of consecutive slots holding consecutive positions
+        if merged:
+            ps, pp, pn = merged[-1]
+            if ps + pn == slot and (pp == pos == UNKNOWN or UNKNOWN not in (pp, pos) and pp + pn == pos):
+                merged[-1] = (ps, pp, pn + n)
+                continue
+        merged.append((slot, pos, n))
+    return tuple(merged)
 
 
 def _roll(runs: tuple[Run, ...], end: int, keep: int, drop: int) -> tuple[Run, ...]:
