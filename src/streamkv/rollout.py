@@ -39,6 +39,10 @@ is sharded (its output is gathered, so every rank holds the whole chunk). Each r
 caches hold ``H/N`` heads. Eager and compile modes; ``graph`` with more than one rank
 is refused (the all-to-alls would sit inside the captured region and no GPU run has
 yet shown that replaying them is correct).
+
+Why one module: the three execution modes run the same chunk loop and differ only in how
+one denoising step is invoked; keeping the loop, the schedule and the modes together keeps
+their shared host bookkeeping (begin, retry of an open chunk, commit) in one place.
 """
 
 from __future__ import annotations

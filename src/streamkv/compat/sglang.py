@@ -6,8 +6,8 @@ block and call ``update_and_get_attention_kv(key=, value=, current_chunk_start=,
 attend over the returned view without a mask (keys are rotated before the call). This class
 has the same constructor, fields, methods and view type (:class:`CausalAttentionKVView`), but
 keeps the tokens in a :class:`~streamkv.RingCache` over the same ``k``/``v`` memory: a new
-chunk overwrites the oldest window slots in place, nothing retained is cloned or shifted, and
-the per-layer path reads no device value (the cursors are host ints, the device index
+chunk overwrites the oldest window slots in place, nothing retained is cloned or shifted
+(except at a re-layout, below), and the per-layer path reads no device value (the cursors are host ints, the device index
 tensors are only filled). To use it in sglang, replace the class where the stage builds it::
 
     import sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising as stage
@@ -22,52 +22,74 @@ applied before the call** (what sglang's models do). Every mode sglang has is co
 sinks, ``attention_window_size`` below the buffer, global sinks, the pinned multi-shot sink,
 ``allow_growth``, ``recent_window_tokens``, head slices (``cache_head_start``).
 
+sglang's buffer is always ``[frozen slots | a first-in-first-out window]``; a ring holds the
+same when its sinks are the frozen slots. The frozen slots change when a pinned scene-cut chunk
+slides down next to the global sinks (LongLive 2's multi-shot sink: sglang then keeps it), when
+a new pin or ``reset_pinned_sink()`` releases it, when ``sink_tokens`` / ``global_sink_tokens``
+are set, when a chunk longer than ``cache_size`` minus the frozen slots overwrites some of them,
+and at growth. At the first
+chunk after such a change the ring is **re-laid out**: a new ring over the same memory whose
+slot ``i`` holds what sglang's slot ``i`` holds (positions are renumbered in that order,
+:class:`~.sglang_slots.VirtualMap`); the rows not already there are gathered and copied once
+(transient: those rows, K and V), the ring's metadata is advanced by empty spans, and from then
+on nothing moves again. Before the first eviction (and for the first call) nothing is copied.
+LongLive 2 with scene cuts re-lays out about twice per cut; sglang copies its window every chunk.
+
 Differences, all deliberate:
 
 - The view's rows are in the ring's physical order, not sglang's (a permutation of the same K/V
   rows, applied to K and V alike). ``view.k``/``view.v`` are one zero-copy slice of the buffer
   when the selected rows are contiguous in it (always when the view is the whole buffer, e.g.
-  ``attention_window_size == cache_size``), else a ``torch.cat`` of up to a few slices (a copy,
-  as sglang's own view is with sinks). The view's four index fields are the ones sglang would
+  ``attention_window_size == cache_size``), else a ``torch.cat`` of a few slices (a copy, as
+  sglang's own view is with sinks). The view's four index fields are the ones sglang would
   return (they describe sglang's layout, not these buffers).
 - ``k``/``v`` are the physical buffers ``[B, cache_size, H, D]``: rows are not in position
-  order once the ring has wrapped; they are read-only properties (the ring owns them), as are
-  ``cache_size``, ``pinned_start``/``pinned_len`` (set by ``pin_current_chunk`` /
-  ``reset_pinned_sink``) and the index fields.
+  order once the ring has wrapped. They, ``cache_size``, ``pinned_start``/``pinned_len`` (set by
+  ``pin_current_chunk`` / ``reset_pinned_sink``) and the index fields are read-only.
+- Head slices (``cache_head_start`` with fewer heads than the cache) and ``cache_size <
+  k.shape[1]`` with ``B > 1``: the slice of ``k``/``v`` is not contiguous, and the core's
+  storage takes only buffers it can prove non-overlapping, so the ring keeps contiguous buffers
+  of its own ``[B, cache_size, h, D]`` (``h / H`` more memory) and ``k``/``v`` are not written.
+  One cache serves one head slice until ``reset_indices()`` (see refusals).
 - ``global_end_index_int`` / ``local_end_index_int`` are always host ints (never None): if the
   constructor gets None, the two device tensors are read once there (the only host sync).
 - Inputs of another floating dtype are cast to the cache dtype (as sglang's slice assignment
   does); inputs that require grad under grad mode are refused (sglang writes them and detaches
   its buffer on the next call).
 - Errors are raised before anything changes (sglang rolls and writes before some of its own
-  checks, e.g. ``recent_window_tokens < 0``).
-- ``reset_indices()`` also forgets the head slice (see refusals) and keeps stale K/V like sglang.
+  checks, e.g. ``recent_window_tokens < 0``); every input sglang refuses is refused.
+- ``reset_indices()`` keeps stale K/V like sglang; the ring is rebuilt by the next call.
+- ``max_chunk_tokens`` (keyword only, not sglang's) bounds the chunk length (default: the
+  ring's window); the ring's per-chunk slot plan is that long.
 
-Refusals (``ValueError`` / ``RuntimeError`` naming the constraint and the values; the cache is
-left unchanged), where the ring cannot hold what sglang's buffer would:
+Refusals (``ValueError`` naming the constraint and the values; the cache is left unchanged),
+where sglang would go on:
 
 1. A cache that does not start empty (``global_end_index`` / ``local_end_index`` not 0).
 2. A chunk that starts past ``global_end_index`` (sglang would attend over slots it never
    wrote) or straddles it (``start < global_end < start + n``).
 3. A rewrite (``start + n <= global_end``) of anything but the last chunk, whole (the ring
    rewrites only its open span).
-4. A chunk longer than the ring's window ``cache_size - sinks`` (sglang would overwrite its own
-   sinks) or than ``max_chunk_tokens``.
-5. A change of sglang's effective sinks that takes effect after the ring first evicted: a pin
-   placed right after the global sinks (or its removal, or a ``sink_tokens`` /
-   ``global_sink_tokens`` change) when sglang's buffer is no longer ``[sinks | last window]``
-   for the ring's fixed sink count. Before the first eviction every position sits at its own
-   slot, and the ring is rebuilt over the same memory with the new sink count (no copy).
-6. ``allow_growth`` switched on after an eviction (the grown buffer would not hold a window).
-7. Different head slices across calls between two resets (sglang would roll only the slice it
-   is given, leaving the other heads' slots stale): one cache serves one slice.
+4. A view that would read slots sglang never wrote (global sinks not yet filled while
+   ``attention_window_size`` is below the buffer): sglang returns stale or zero rows there.
+5. Different head slices between two resets (sglang would roll only the slice it is given,
+   leaving the other heads' slots stale): one cache serves one slice.
+6. A chunk longer than ``max_chunk_tokens`` when it is given.
+
+A ``RuntimeError`` from the re-layout planner ("the ring cannot hold the same tokens") would
+mean sglang's buffer is not ``[frozen | window]``; no sequence of calls the tests drive reaches it.
 
 Graph safety: the write is an ``index_copy_`` through the ring's device plan; a call's host
 work (planning, begin/commit of the span, the view slices) is per call, so a CUDA graph must
-not capture this call (sglang's cache is not graph-safe either). The first evicting call may
-rebuild the ring's small metadata, and growth allocates new buffers (as sglang does).
+not capture this call (sglang's cache is not graph-safe either). A re-layout allocates the
+ring's small metadata anew, and growth allocates new buffers (as sglang does).
 
 This module does not import sglang.
+
+Why one module: the class mirrors one sglang dataclass field for field and method for method,
+and its docstring carries the list of differences and refusals a user of the original needs in
+one place; the host arithmetic and the tensor re-layout already live in ``sglang_slots`` and
+``sglang_ring``.
 """
 
 from __future__ import annotations
@@ -80,7 +102,10 @@ from torch import Tensor
 from ..caches import RingCache
 from ..layout import CacheLayout
 from ..storage import check_int
-from .sglang_slots import SGLangState, Update, plan_update, position_intervals, slot_positions
+from .sglang_ring import relayout, ring_slices
+from .sglang_slots import (
+    SGLangState, Update, VirtualMap, plan_update, position_intervals, ring_holds, ring_rows, slot_positions,
+)
 
 __all__ = ["CausalAttentionKVView", "RingCausalSelfAttentionKVCache", "CausalSelfAttentionKVCache"]
 
@@ -149,8 +174,10 @@ class RingCausalSelfAttentionKVCache:
         self.sink_tokens, self.global_sink_tokens, self.allow_growth = sink_tokens, global_sink_tokens, allow_growth
         self._max_chunk = None if max_chunk_tokens is None else check_int("max_chunk_tokens", max_chunk_tokens, 1)
         self._ring: RingCache | None = None  # built by the first call (it fixes the head slice)
+        self._vmap = VirtualMap()  # the ring's numbering of sglang's positions
         self._heads: tuple[int, int] | None = None
         self._own: tuple[Tensor, Tensor] | None = None  # the ring's buffers when k/v cannot be used in place
+        self._memo: tuple | None = None  # (call, ring, plan, rows) of the last rewrite
 
     # ------------------------------------------------------------ sglang's fields
     k = property(lambda self: self._k, doc="Physical key buffer ``[B, L, H, Dk]`` (ring order once wrapped).")
@@ -210,7 +237,7 @@ class RingCausalSelfAttentionKVCache:
         self._state = SGLangState(0, 0, s.cache_size, s.window)
         self._gidx.zero_()
         self._lidx.zero_()
-        self._ring, self._heads = None, None
+        self._ring, self._heads, self._vmap, self._memo = None, None, VirtualMap(), None
 
     def reset_pinned_sink(self) -> None:
         self._state = replace(self._state, pinned_start=-1, pinned_len=0)
@@ -242,18 +269,26 @@ class RingCausalSelfAttentionKVCache:
             what = "starts past" if start > G else "straddles"
             raise ValueError(f"{debug_name}: the chunk [{start}, {start + n}) {what} global_end_index={G}: chunks must "
                              f"continue the stream at {G} or rewrite the last chunk")
+        call = (self._state, start, n, self._sink_tokens, self._global_sink_tokens, self._allow_growth, recent)
+        memo = self._memo
+        if memo is not None and memo[0] == call and memo[1] is self._ring:  # the same rewrite again (a denoising step)
+            upd, rows = memo[2], memo[3]
+            self._ring.write(key.to(self._k.dtype), value.to(self._v.dtype), layer=0)
+            k, v = self._slices(rows)
+            return CausalAttentionKVView(k, v, upd.local_start, upd.local_start + n, upd.state.local_end,
+                                         upd.state.global_end)
         upd = plan_update(self._state, start=start, n=n, sink_tokens=self._sink_tokens,
                           global_sink_tokens=self._global_sink_tokens, allow_growth=self._allow_growth,
                           recent=recent, name=debug_name)
-        rebuild = self._plan_ring(upd, n, debug_name) if upd.advance else None
+        relayout = self._plan_ring(upd, n, debug_name) if upd.advance else None
         if not upd.advance:
             self._check_rewrite(upd, start, n, debug_name)
         self._check_view(upd, debug_name)
         # --- nothing has changed so far; from here on nothing can fail
         if upd.grown:
             self._grow(upd.state.cache_size)
-        if rebuild is not None:
-            self._rebuild(rebuild, (h0, h), G)
+        if relayout is not None:
+            self._relayout(*relayout, (h0, h), upd.state.cache_size)
         ring = self._ring
         if upd.advance:
             if ring.is_open:
@@ -265,7 +300,10 @@ class RingCausalSelfAttentionKVCache:
             self._gidx.fill_(upd.state.global_end)
         if upd.state.local_end != old.local_end:
             self._lidx.fill_(upd.state.local_end)
-        k, v = self._view(upd.view)
+        rows = self._rows(upd.view)
+        # a rewrite changes nothing but K/V: the next identical call may reuse this plan
+        self._memo = None if upd.advance else (call, ring, upd, rows)
+        k, v = self._slices(rows)
         return CausalAttentionKVView(k, v, upd.local_start, upd.local_start + n, upd.state.local_end, upd.state.global_end)
 
     # ------------------------------------------------------------ checks and plans
@@ -299,35 +337,36 @@ class RingCausalSelfAttentionKVCache:
                              f"reset_indices(); got [{h0}, {h0 + h}) (one cache per head slice)")
         return n, h0, h
 
-    def _plan_ring(self, upd: Update, n: int, name: str) -> tuple[int, int] | None:
-        """The ring's ``(sink, capacity)`` if this advance needs a new one, None to keep it."""
-        st, ring = upd.state, self._ring
+    def _plan_ring(self, upd: Update, n: int, name: str) -> tuple[int, VirtualMap] | None:
+        """None when the ring's plain advance ends holding exactly sglang's tokens; else the
+        ``(sink, numbering)`` of the re-layout that makes it so (see :meth:`_relayout`)."""
+        st, pre, ring = upd.state, self._state, self._ring
         if self._max_chunk is not None and n > self._max_chunk:
             raise ValueError(f"{name}: the chunk has {n} tokens, more than max_chunk_tokens={self._max_chunk}")
-        if ring is not None and not upd.grown and n <= ring.layout.chunk and _holds(ring.layout.sink, st):
+        if (ring is not None and not upd.grown and n <= ring.layout.chunk
+                and ring_holds(ring.layout, ring.end + n, self._vmap, st)):
             return None
-        fresh = ring is None or ring.end <= ring.layout.capacity  # nothing evicted: positions at their own slots
-        if fresh:
-            for sink in dict.fromkeys((upd.roll_sink, 0)):
-                if n <= st.cache_size - sink and _holds(sink, st):
-                    return sink, st.cache_size
+        vmap, size = VirtualMap.of_buffer(pre.runs, pre.global_end, pre.local_end), st.cache_size
+        sink = upd.roll_sink  # sglang's frozen slots; fewer serve while nothing is evicted
+        for s in dict.fromkeys((sink, max(0, min(sink, size - n)), 0)):
+            if n <= size - s and ring_holds(CacheLayout(s, size - s, n), pre.local_end + n, vmap, st):
+                return s, vmap
         pieces = [(p, m) for _, p, m in st.runs]
-        sglang = position_intervals(pieces) or f"{pieces} (unwritten or repeated positions)"
-        have = f"sink {ring.layout.sink}, window {ring.layout.window}" if ring is not None else "none"
+        held = position_intervals(pieces) or f"{pieces} (unwritten or repeated positions)"
         raise RuntimeError(
-            f"{name}: after this chunk ({n} tokens) sglang's buffer would hold positions {sglang} with "
-            f"{upd.roll_sink} sink tokens in {st.cache_size} slots; the ring ({have}) cannot hold exactly those "
-            f"tokens{'' if fresh else ' now that it has evicted (its sink count is fixed from then on)'}; a chunk "
-            f"must also fit in cache_size - sinks"
+            f"{name}: after this chunk ({n} tokens) sglang's buffer would hold positions {held} in its "
+            f"{st.cache_size} slots, {sink} of them frozen: that is not [frozen slots | a window of consecutive "
+            f"positions] (the chunk must fit in cache_size - frozen = {st.cache_size - sink} and leave the frozen "
+            f"slots alone), so the ring cannot hold the same tokens"
         )
 
     def _check_rewrite(self, upd: Update, start: int, n: int, name: str) -> None:
         ring = self._ring
         held = slot_positions(upd.state.runs, upd.local_start, upd.local_start + n)
-        if ring is None or ring.open_span != (start, n) or held != [(start, n)]:
-            last = None if ring is None else ring.open_span
+        virtual = self._vmap.virtual(start, n) if ring is not None else []
+        if ring is None or held != [(start, n)] or len(virtual) != 1 or ring.open_span != virtual[0]:
             raise ValueError(f"{name}: a rewrite must be the last chunk, whole: got [{start}, {start + n}), the last "
-                             f"chunk is {last and (last[0], last[0] + last[1])}")
+                             f"chunk ended at global_end_index={upd.state.global_end}")
 
     def _check_view(self, upd: Update, name: str) -> None:
         E = upd.state.local_end
@@ -340,7 +379,8 @@ class RingCausalSelfAttentionKVCache:
 
     # ------------------------------------------------------------ ring upkeep
     def _grow(self, size: int) -> None:
-        """sglang's growth: new zeroed buffers of ``size`` slots holding the old ones."""
+        """sglang's growth: new zeroed buffers of ``size`` slots holding the old ones (the slots keep
+        their indices; the re-layout that follows orders them)."""
         old = self._state.cache_size
         for name in ("_k", "_v"):
             buf = getattr(self, name)
@@ -348,23 +388,12 @@ class RingCausalSelfAttentionKVCache:
             new[:, :old].copy_(buf[:, :old])
             setattr(self, name, new)
 
-    def _rebuild(self, plan: tuple[int, int], heads: tuple[int, int], end: int) -> None:
-        """A ring of ``plan = (sink, capacity)`` over the same memory, advanced to ``end`` by
-        spans that write nothing: before the first eviction every position is at its own slot."""
-        sink, size = plan
+    def _relayout(self, sink: int, vmap: VirtualMap, heads: tuple[int, int], size: int) -> None:
+        """Re-lay out the ring (:func:`.sglang_ring.relayout`) over the cache's memory."""
         kb, vb = self._ring_buffers(size, heads)
-        window = size - sink
-        chunk = window if self._max_chunk is None else min(window, self._max_chunk)
-        with torch.inference_mode(False):  # metadata the ring updates in place, in or out of inference mode
-            ring = RingCache(tuple(kb.shape), tuple(vb.shape), seq_dim=1, sink=sink, window=window, chunk=chunk,
-                             dtype=kb.dtype, device=kb.device, buffers=(kb.unsqueeze(0), vb.unsqueeze(0)))
-        at = 0
-        while at < end:
-            m = min(chunk, end - at)
-            ring.begin_tokens(m)
-            ring.commit()
-            at += m
-        self._ring, self._heads = ring, heads
+        self._ring = relayout(self._ring, self._vmap, vmap, kb, vb, sink=sink, end=self._state.local_end,
+                              max_chunk=self._max_chunk)
+        self._vmap, self._heads = vmap, heads
 
     def _ring_buffers(self, size: int, heads: tuple[int, int]) -> tuple[Tensor, Tensor]:
         """The ring's ``[B, size, h, D]`` K/V: the slice of ``k``/``v`` itself when it is contiguous
@@ -385,30 +414,27 @@ class RingCausalSelfAttentionKVCache:
             self._own = own = new
         return own
 
-    def _view(self, ranges: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
-        """The ring rows holding the positions of sglang's slot ``ranges``: one slice when they
-        are contiguous, else a concatenation (same multiset of rows, physical order)."""
+    def _rows(self, ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+        """The ring slot ranges holding the positions of sglang's slot ``ranges`` (the same
+        multiset of tokens), sorted and merged where they touch."""
         ring = self._ring
         L, end = ring.layout, ring.end
         rows: list[tuple[int, int]] = []
         for lo, hi in ranges:
             for pos, m in slot_positions(self._state.runs, lo, hi):
-                rows.extend(_ring_rows(L, end, pos, m))
+                for v, k in self._vmap.virtual(pos, m):
+                    rows.extend(ring_rows(L, end, v, k))
         rows.sort()
-        merged: list[list[int]] = []
+        merged: list[tuple[int, int]] = []
         for a, b in rows:
             if merged and merged[-1][1] == a:
-                merged[-1][1] = b
+                merged[-1] = (merged[-1][0], b)
             else:
-                merged.append([a, b])
-        keys, values = ring.keys(0), ring.values(0)
-        if len(merged) == 1:
-            a, b = merged[0]
-            return keys.narrow(1, a, b - a), values.narrow(1, a, b - a)
-        if not merged:
-            return keys.narrow(1, 0, 0), values.narrow(1, 0, 0)
-        return (torch.cat([keys.narrow(1, a, b - a) for a, b in merged], dim=1),
-                torch.cat([values.narrow(1, a, b - a) for a, b in merged], dim=1))
+                merged.append((a, b))
+        return merged
+
+    def _slices(self, rows: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        return ring_slices(self._ring, rows)
 
     def __repr__(self) -> str:
         s = self._state
@@ -420,41 +446,6 @@ class RingCausalSelfAttentionKVCache:
 
 #: the sglang name, for ``stage.CausalSelfAttentionKVCache = CausalSelfAttentionKVCache``
 CausalSelfAttentionKVCache = RingCausalSelfAttentionKVCache
-
-
-def _holds(sink: int, st: SGLangState) -> bool:
-    """A ring of ``sink`` sinks in ``st.cache_size`` slots at ``st.global_end`` holds exactly the
-    positions sglang's buffer holds (each once)."""
-    window, end = st.cache_size - sink, st.global_end
-    if window < 1:
-        return False
-    want = [(0, min(sink, end)), (max(sink, end - window), end)]
-    merged: list[tuple[int, int]] = []
-    for a, b in want:
-        if a >= b:
-            continue
-        if merged and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b)
-        else:
-            merged.append((a, b))
-    return position_intervals([(p, m) for _, p, m in st.runs]) == tuple(merged)
-
-
-def _ring_rows(L: CacheLayout, end: int, pos: int, m: int) -> list[tuple[int, int]]:
-    """Ring slot ranges holding positions ``[pos, pos + m)``; they must be retained at ``end``."""
-    if pos < 0 or pos + m > end or (pos + m > L.sink and max(pos, L.sink) < L.window_start(end)):
-        raise RuntimeError(f"positions [{pos}, {pos + m}) are not held by the ring ({L}, end {end}): a bug, please report")
-    out = []
-    if pos < L.sink:
-        a = min(pos + m, L.sink)
-        out.append((pos, a))
-        m, pos = m - (a - pos), a
-    while m > 0:
-        slot = L.ring_slot(pos)
-        take = min(m, L.capacity - slot)
-        out.append((slot, slot + take))
-        pos, m = pos + take, m - take
-    return out
 
 
 def _desc(t: object) -> str:

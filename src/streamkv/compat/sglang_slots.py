@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Run", "SGLangState", "Update", "effective_sink", "plan_update", "slot_positions", "position_intervals"]
+from ..layout import CacheLayout
+
+__all__ = [
+    "Run", "SGLangState", "Update", "VirtualMap", "effective_sink", "plan_update", "slot_positions", "position_intervals",
+    "ring_holds", "ring_rows",
+]
 
 #: ``(slot, position, n)``; position -1: never written
 Run = tuple[int, int, int]
@@ -226,3 +231,93 @@ def _view_ranges(s: SGLangState, ls: int, recent: int | None, sink: int,
     if s.pinned and sink_end <= s.pinned_start < recent_start:
         out.append((s.pinned_start, s.pinned_start + s.pinned_len))
     return (*out, (recent_start, E))
+
+
+# ========================================================== ring numbering
+@dataclass(frozen=True)
+class VirtualMap:
+    """The ring's numbering of sglang's positions.
+
+    A ring keeps sinks at its first positions and a window of its last ones; sglang's frozen
+    prefix may hold other positions (a pinned chunk that slid next to the global sinks). So the
+    ring counts its own *virtual* positions: after a re-layout, virtual ``v`` is the token sglang
+    kept in slot ``v`` (``frozen``: runs ``(virtual, position, n)``), and positions appended since
+    (``>= base``) follow at ``virtual = position - base + base_virtual``. The identity map is
+    ``VirtualMap()``.
+    """
+
+    frozen: tuple[Run, ...] = ()
+    base: int = 0
+    base_virtual: int = 0
+
+    @classmethod
+    def of_buffer(cls, runs: tuple[Run, ...], global_end: int, local_end: int) -> VirtualMap:
+        """Virtual positions = the slots of sglang's buffer ``runs`` (``local_end`` slots,
+        ``global_end`` positions written); later positions continue after them."""
+        return cls(tuple(r for r in runs if r[1] != UNKNOWN), global_end, local_end)
+
+    def virtual(self, pos: int, n: int) -> list[tuple[int, int]]:
+        """``(virtual, n)`` pieces of positions ``[pos, pos + n)``, in position order;
+        ``KeyError`` if one is unmapped."""
+        out: list[tuple[int, int]] = []
+        end = pos + n
+        while pos < min(end, self.base):
+            for v, p, m in self.frozen:
+                if p <= pos < p + m:
+                    take = min(end, self.base, p + m) - pos
+                    out.append((v + pos - p, take))
+                    pos += take
+                    break
+            else:
+                raise KeyError(pos)
+        if end > pos:
+            out.append((pos - self.base + self.base_virtual, end - pos))
+        merged: list[tuple[int, int]] = []
+        for v, m in out:
+            if merged and merged[-1][0] + merged[-1][1] == v:
+                merged[-1] = (merged[-1][0], merged[-1][1] + m)
+            else:
+                merged.append((v, m))
+        return merged
+
+
+# ============================================================ ring queries
+def ring_holds(L: CacheLayout, end: int, vmap: VirtualMap, st: SGLangState) -> bool:
+    """A ring of layout ``L`` at virtual ``end``, numbered by ``vmap``, holds exactly the tokens of
+    sglang's buffer ``st`` (each once)."""
+    pieces: list[tuple[int, int]] = []
+    for _, pos, m in st.runs:
+        if pos < 0:
+            return False
+        try:
+            pieces.extend(vmap.virtual(pos, m))
+        except KeyError:
+            return False
+    want = [(0, min(L.sink, end)), (L.window_start(end), end)]
+    merged: list[tuple[int, int]] = []
+    for a, b in want:
+        if a >= b:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return position_intervals(pieces) == tuple(merged)
+
+
+def ring_rows(L: CacheLayout, end: int, pos: int, m: int) -> list[tuple[int, int]]:
+    """Slot ranges of a ring of layout ``L`` at ``end`` holding its positions ``[pos, pos + m)`` (in
+    position order); ``RuntimeError`` if it does not hold them all."""
+    if pos < 0 or pos + m > end or (pos + m > L.sink and max(pos, L.sink) < L.window_start(end)):
+        raise RuntimeError(f"positions [{pos}, {pos + m}) are not held by the ring ({L}, end {end}): a bug, please report")
+    out = []
+    if pos < L.sink:
+        a = min(pos + m, L.sink)
+        out.append((pos, a))
+        m, pos = m - (a - pos), a
+    while m > 0:
+        slot = L.ring_slot(pos)
+        take = min(m, L.capacity - slot)
+        out.append((slot, slot + take))
+        pos, m = pos + take, m - take
+    return out

@@ -25,6 +25,10 @@ each rank's cache and text K/V hold ``H/N`` heads (:mod:`streamkv.distributed`).
 
 Weights are random (seeded); nothing is downloaded. The text encoder is replaced by a
 seeded embedding of the prompt string (:meth:`CausalVideoDiT.encode_prompt`).
+
+Why one module: the model reads top to bottom as the diagram above (embedding, blocks,
+head), and the attention block's cache call, RoPE and context-parallel exchange are one
+sequence that is clearer in place than split across files.
 """
 
 from __future__ import annotations

@@ -16,12 +16,24 @@ subject            one timed step (``chunk_idx = c``, a new chunk every step)
                    buffers at the ring's rows: a cache must write the chunk once
 =================  =================================================================
 
+Peers, only at presets that name them (``Preset.peers``), each step one
+``update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * C)`` and its view (the
+whole buffer at these presets: a slice, no copy, for both):
+
+=================  =================================================================
+``sglang``         sglang 0.5.23 ``CausalSelfAttentionKVCache`` (loaded by file path):
+                   clone + shift of the retained window, then a slice write
+``sglang_ring``    :class:`~streamkv.compat.sglang.RingCausalSelfAttentionKVCache`, built
+                   as sglang's stage builds the original: the ring's write (its slot plan
+                   is the window long: ``max_chunk_tokens`` is not set)
+=================  =================================================================
+
 Bytes moved (analytic, per step and layer, K and V together; ``row`` = one token's K
 or V bytes, ``C`` the chunk and ``W`` the window in tokens)::
 
     chunk_written    = 2 * C * row                    every subject
-    retained_copied  = 2 * (W - C) * row              current, flashdreams (the roll)
-    clone_temporary  = 2 * (W - C) * row              current, flashdreams (.clone())
+    retained_copied  = 2 * (W - C) * row              current, flashdreams, sglang (the roll)
+    clone_temporary  = 2 * (W - C) * row              current, flashdreams, sglang (.clone())
     written_total    = chunk_written + retained_copied + clone_temporary
     traffic          = 2 * written_total              each written byte was read once
 
@@ -42,6 +54,7 @@ import torch
 from torch import Tensor
 
 from streamkv.caches import ChronologicalCache, KVCache, RingCache
+from streamkv.compat.sglang import RingCausalSelfAttentionKVCache
 from streamkv.layout import CacheLayout
 from streamkv.lab.bench.measure import (
     Stats,
@@ -54,11 +67,12 @@ from streamkv.lab.bench.measure import (
     probe_transient,
     time_interleaved,
 )
-from streamkv.lab.bench.peers import load_block_kv_cache
+from streamkv.lab.bench.peers import load_block_kv_cache, load_sglang_causal_kv_cache
 from streamkv.lab.bench.presets import Preset
 
 __all__ = [
     "SUBJECTS",
+    "PEER_SUBJECTS",
     "LABELS",
     "BytesMoved",
     "Subject",
@@ -75,8 +89,12 @@ LABELS: dict[str, str] = {
     "flashdreams": "flashdreams 0.1.0 BlockKVCache",
     "ring": "RingCache",
     "floor": "floor: copy_ of the chunk",
+    "sglang": "sglang 0.5.23 CausalSelfAttentionKVCache",
+    "sglang_ring": "RingCausalSelfAttentionKVCache (streamkv.compat.sglang)",
 }
-_ROLLS = {"current", "flashdreams"}
+#: the subjects each peer of :data:`~streamkv.lab.bench.presets.PEERS` adds (the original, the drop-in)
+PEER_SUBJECTS: dict[str, tuple[str, ...]] = {"sglang": ("sglang", "sglang_ring")}
+_ROLLS = {"current", "flashdreams", "sglang"}
 
 
 @dataclass(frozen=True)
@@ -111,8 +129,9 @@ def steady_retained_tokens(layout: CacheLayout) -> int:
 
 def analytic_bytes(subject: str, preset: Preset) -> BytesMoved:
     """Bytes a steady step of ``subject`` must move at ``preset`` (module docstring)."""
-    if subject not in SUBJECTS:
-        raise ValueError(f"subject must be one of {SUBJECTS}, got {subject!r}")
+    known = SUBJECTS + tuple(k for keys in PEER_SUBJECTS.values() for k in keys)
+    if subject not in known:
+        raise ValueError(f"subject must be one of {known}, got {subject!r}")
     row = 2 * preset.token_bytes  # K and V
     chunk = preset.chunk * row
     if subject not in _ROLLS:
@@ -187,11 +206,37 @@ def _floor_subject(preset: Preset, device: torch.device, k: Tensor, v: Tensor) -
     return Subject("floor", step, (K, V), (K, V))
 
 
+def _sglang_subjects(cls: type | None, preset: Preset, device: torch.device, k: Tensor, v: Tensor) -> dict[str, Subject]:
+    """sglang's class (when ``cls`` is given) and the drop-in, built as sglang's causal stage builds
+    one block's cache (host-int cursors; ``cache_size = sink + window``)."""
+    out = {}
+    for key, factory in (("sglang", cls), ("sglang_ring", RingCausalSelfAttentionKVCache)):
+        if factory is None:
+            continue
+        cache = factory(
+            k=torch.zeros(preset.k_shape, dtype=preset.torch_dtype, device=device),
+            v=torch.zeros(preset.k_shape, dtype=preset.torch_dtype, device=device),
+            global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            local_end_index=torch.zeros(1, dtype=torch.long, device=device), global_end_index_int=0,
+            local_end_index_int=0, cache_size=preset.capacity, sink_tokens=preset.sink,
+            global_sink_tokens=preset.global_sink,
+        )
+        state = {"c": 0}
+
+        def step(cache: Any = cache, state: dict[str, int] = state) -> None:
+            cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=state["c"] * preset.chunk)
+            state["c"] += 1
+
+        out[key] = Subject(key, step, (cache.k, cache.v), cache)
+    return out
+
+
 def build_subjects(preset: Preset, device: torch.device | str, *, seed: int = 0) -> tuple[dict[str, Subject], list[str]]:
     """Every subject at ``preset``, filled to the steady state: their next step evicts.
 
     Returns the subjects (in :data:`SUBJECTS` order, flashdreams left out with a note
-    when it is not installed or cannot hold the layout) and the notes.
+    when it is not installed or cannot hold the layout; then the preset's peers, sglang's
+    class left out with a note when sglang is not installed) and the notes.
     """
     device = check_device(device)
     notes: list[str] = []
@@ -209,6 +254,12 @@ def build_subjects(preset: Preset, device: torch.device | str, *, seed: int = 0)
         subjects["flashdreams"] = _flashdreams_subject(block_cls, preset, device, k, v)
     subjects["ring"] = _streamkv_subject("ring", RingCache, preset, device, k, v)
     subjects["floor"] = _floor_subject(preset, device, k, v)
+    if "sglang" in preset.peers:
+        sglang_cls = load_sglang_causal_kv_cache()
+        if sglang_cls is None:
+            notes.append("sglang is not installed: its CausalSelfAttentionKVCache skipped "
+                         "(pip install --no-deps sglang==0.5.23); the drop-in still runs")
+        subjects.update(_sglang_subjects(sglang_cls, preset, device, k, v))
     # fill: chunks 0 .. first_eviction - 1, so that every later step evicts
     layout = CacheLayout(sink=preset.sink, window=preset.window, chunk=preset.chunk)
     for s in subjects.values():

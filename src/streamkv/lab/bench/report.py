@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from streamkv.lab.plotting import pyplot, save
-from streamkv.lab.bench.maintenance import LABELS, SUBJECTS
+from streamkv.lab.bench.maintenance import LABELS, PEER_SUBJECTS, SUBJECTS
 
 __all__ = ["print_report", "plot_scaling", "fmt_bytes"]
 
@@ -34,6 +34,17 @@ def _x(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
 
 
+def _subjects(rec: dict[str, Any]) -> tuple[str, ...]:
+    """The record's subjects: :data:`SUBJECTS`, then its preset's peers'."""
+    return SUBJECTS + tuple(k for p in rec["preset"].get("peers", ()) for k in PEER_SUBJECTS[p])
+
+
+def _gb_per_s(rec: dict[str, Any], key: str) -> float | None:
+    if key in rec["achieved_gb_per_s"]:
+        return rec["achieved_gb_per_s"][key]
+    return next((rec[p]["achieved_gb_per_s"].get(key) for p in rec["preset"].get("peers", ()) if p in rec), None)
+
+
 def _maintenance_table(name: str, rec: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -43,7 +54,7 @@ def _maintenance_table(name: str, rec: dict[str, Any]) -> Any:
     t = Table(
         title=f"[b]{name}[/]: cache maintenance per AR step and layer, steady state, "
         f"{ver['device_name']}, {ver['torch_threads']} threads, median of {rec.get('timing_repeats')} after warm-up",
-        caption=f"{rec['preset']['description']}. " + "; ".join(f"{k} = {LABELS[k]}" for k in SUBJECTS)
+        caption=f"{rec['preset']['description']}. " + "; ".join(f"{k} = {LABELS[k]}" for k in _subjects(rec))
         + ". written = chunk + retained + clone temporaries (K+V); traffic = 2 x written; "
         "transient = bytes allocated in one steady step (allocations) / peak above the step's start; "
         "faults = minor page faults in one step",
@@ -52,7 +63,7 @@ def _maintenance_table(name: str, rec: dict[str, Any]) -> Any:
     for col in ("cache", "median ms", "p10-p90 ms", "/ ring", "written", "traffic", "GB/s", "transient", "peak",
                 "faults"):
         t.add_column(col, justify="left" if col == "cache" else "right")
-    for key in SUBJECTS:
+    for key in _subjects(rec):
         s = stats.get(key)
         if s is None:
             t.add_row(key, "not run", *[""] * 8)
@@ -62,7 +73,7 @@ def _maintenance_table(name: str, rec: dict[str, Any]) -> Any:
         if b is None:
             t.add_row(key, "not run", *[""] * 8)
             continue
-        gbs = rec["achieved_gb_per_s"].get(key)
+        gbs = _gb_per_s(rec, key)
         t.add_row(
             key, _ms(s["median"]), f"{_ms(s['p10'])}-{_ms(s['p90'])}", _x(s["median"] / ring if ring else None),
             fmt_bytes(b["written_total"]), fmt_bytes(b["traffic"]), "-" if gbs is None else f"{gbs:.1f}",
@@ -79,6 +90,10 @@ def _ratios_line(rec: dict[str, Any]) -> str:
         f"flashdreams/ring [b]{_x(rec['ratio_flashdreams_over_ring'])}[/]   "
         f"ring/floor [b]{_x(rec['ratio_ring_over_floor'])}[/]"
     )
+    for peer in rec["preset"].get("peers", ()):
+        original, drop_in = PEER_SUBJECTS[peer]
+        if peer in rec:
+            line += f"   {original}/{drop_in} [b]{_x(rec[peer][f'ratio_{original}_over_{drop_in}'])}[/]"
     tm = rec.get("timing")
     if tm:
         load = tm.get("foreign_cpu_share")
@@ -101,7 +116,7 @@ def _transient_line(rec: dict[str, Any]) -> str | None:
 
 def _counted_line(rec: dict[str, Any]) -> str:
     parts = []
-    for key in SUBJECTS:
+    for key in _subjects(rec):
         b = rec["bytes_moved"].get(key)
         if b and "counted" in b:
             c = b["counted"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from streamkv.lab.bench.maintenance import SUBJECTS, measure_maintenance
+from streamkv.lab.bench.maintenance import PEER_SUBJECTS, SUBJECTS, analytic_bytes, measure_maintenance
 from streamkv.lab.measure import check_device
 from streamkv.lab.env import environment, threads
 from streamkv.lab.bench.presets import Preset, get_preset
@@ -128,20 +128,22 @@ def _disturbance_notes(what: str, timing: Any) -> list[str]:
 def maintenance_section(preset: Preset, options: BenchOptions, device: torch.device) -> dict[str, Any]:
     """Keys: maintenance_ms, maintenance_stats_ms, floor_ms, ratio_current_over_ring,
     ratio_flashdreams_over_ring, ratio_ring_over_floor, bytes_moved, achieved_gb_per_s,
-    transient_bytes, notes."""
+    transient_bytes, notes; at a preset with peers also one key per peer (:func:`_peer_record`),
+    and the peers' subjects in maintenance_stats_ms, bytes_moved and transient_bytes."""
     r = measure_maintenance(
         preset, device, repeats=options.repeats_for(preset), warmup=options.warmup, warmup_s=options.warmup_s,
         transient_steps=options.transient_steps, count_bytes=options.count_bytes, seed=options.seed,
     )
     med = {k: r.median(k) for k in SUBJECTS}
-    bytes_moved: dict[str, Any] = {k: None for k in SUBJECTS}  # None: the subject did not run
+    keys = SUBJECTS + tuple(k for peer in preset.peers for k in PEER_SUBJECTS[peer])
+    bytes_moved: dict[str, Any] = {k: None for k in keys}  # None: the subject did not run
     for k, b in r.analytic.items():
         bytes_moved[k] = b.to_dict()
         if k in r.counted:
             bytes_moved[k]["counted"] = r.counted[k].to_dict()
-    transient: dict[str, Any] = {k: None for k in SUBJECTS}
+    transient: dict[str, Any] = {k: None for k in keys}
     transient.update({k: t.to_dict() for k, t in r.transient.items()})
-    return {
+    out = {
         "maintenance_ms": {k: med[k] for k in SUBJECTS if k != "floor"},
         "maintenance_stats_ms": {k: s.to_dict() for k, s in r.stats.items()},
         "floor_ms": med["floor"],
@@ -157,6 +159,24 @@ def maintenance_section(preset: Preset, options: BenchOptions, device: torch.dev
         "timing_repeats": options.repeats_for(preset),
         "timing": r.timing.to_dict(),
         "notes": r.notes + _disturbance_notes("maintenance", r.timing),
+    }
+    for peer in preset.peers:  # new keys only at presets with peers (bytes and transients are in the maps above)
+        out[peer] = _peer_record(peer, r, preset, med["floor"])
+    return out
+
+
+def _peer_record(peer: str, r: Any, preset: Preset, floor: float | None) -> dict[str, Any]:
+    """Key ``<peer>`` (e.g. ``sglang``): the original's and the drop-in's median maintenance, their
+    ratio, the drop-in over the floor, achieved GB/s and page faults (None: the subject did not run)."""
+    original, drop_in = PEER_SUBJECTS[peer]
+    med = {k: r.median(k) for k in (original, drop_in)}
+    return {
+        "maintenance_ms": med,
+        f"ratio_{original}_over_{drop_in}": _ratio(med[original], med[drop_in]),
+        f"ratio_{drop_in}_over_floor": _ratio(med[drop_in], floor),
+        "achieved_gb_per_s": {k: (analytic_bytes(k, preset).traffic / (m * 1e-3) / 1e9 if m else None)
+                              for k, m in med.items()},
+        "page_faults": {k: r.page_faults.get(k) for k in med},
     }
 
 

@@ -133,8 +133,9 @@ def _summary(errs: list[Tensor], rels: list[Tensor]) -> dict[str, float]:
 class TwoTierConfig:
     """What :func:`run_two_tier` runs (recorded with the result)."""
 
+    policy: str = "ring"  # the device budget's policy (any cache kind that evicts)
     sink: int = 4
-    window: int = 124  # the device budget's recent window (tokens besides the sinks)
+    window: int = 124  # the device budget's capacity besides the sinks
     recall_slots: int = 128
     tau: float = 0.05  # recall until every query's certificate is <= tau
     sketch_bits: int = 8
@@ -260,7 +261,7 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
     caches: dict[str, Any] = {}
     say("two_tier")
     caches["two_tier"] = _run_cache(
-        stream, "ring", sink=cfg.sink, window=cfg.window, recall_slots=cfg.recall_slots, fulls=fulls, vranges=vranges,
+        stream, cfg.policy, sink=cfg.sink, window=cfg.window, recall_slots=cfg.recall_slots, fulls=fulls, vranges=vranges,
         certifier={"recall_tau": cfg.tau, "sketch_bits": cfg.sketch_bits, "block_tokens": cfg.sketch_block})
     per_token = _token_bytes(stream)
     memory = caches["two_tier"]["device_bytes"] / per_token  # token-equivalents per layer and key head
@@ -272,8 +273,8 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
         caches[name] = _run_cache(stream, kind, sink=cfg.sink, window=W, fulls=fulls, vranges=vranges, **params)
     say("oracle")
     caches["oracle"] = _oracle(stream, memory, fulls, vranges, cfg.sink)
-    say("ring (the two-tier budget alone)")  # no sketch, no recall: what the sketch and recall add
-    caches["ring_budget_only"] = _run_cache(stream, "ring", sink=cfg.sink, window=cfg.window, fulls=fulls,
+    say("the two-tier budget alone")  # no sketch, no recall: what the sketch and recall add
+    caches["budget_only"] = _run_cache(stream, cfg.policy, sink=cfg.sink, window=cfg.window, fulls=fulls,
                                             vranges=vranges)
     tt = caches["two_tier"]
     ratios = {

@@ -15,8 +15,10 @@ its own), and the clean stream computes those clean-pass K/V. Noised copies shar
 copies' stream frames (RoPE positions). Flow matching: ``x_sigma = (1 - sigma) x0 + sigma
 eps``, the model predicts ``eps - x0``; the loss is its mean squared error over the noised
 chunks. ``sigma`` is one of the sampler's sigmas with probability ``discrete_sigma_prob``,
-else uniform in ``[sigma_min, 1]``. AdamW, linear warm-up then cosine decay, gradient
-clipping, an EMA of the weights (what is saved). No self-forcing stage (see the report).
+else uniform in ``[sigma_min, 1]``. The weights start from the model's seeded
+initialisation with adaLN-Zero applied (:func:`zero_init_`); AdamW, linear warm-up then
+cosine decay, gradient clipping, an EMA of the weights (what is saved). No self-forcing
+stage: rolling the model out under gradients does not fit the CPU budget.
 
 Everything is drawn from ``seed``: the initial weights (``CausalVideoDiT(seed=...)``), the
 clips (stream ``seed`` of :func:`~streamkv.lab.video.data.make_clip`, clip ``step * batch +
@@ -39,7 +41,7 @@ from streamkv.lab.video.data import make_batch
 from streamkv.lab.video.toy import PROMPT, SCHEDULE, toy_config
 from streamkv.models import CausalVideoDiT
 
-__all__ = ["TrainConfig", "TrainResult", "teacher_forcing_mask", "noised_batch", "train"]
+__all__ = ["TrainConfig", "TrainResult", "teacher_forcing_mask", "noised_batch", "zero_init_", "train"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class TrainConfig:
     ema: float = 0.995
     discrete_sigma_prob: float = 0.5
     sigma_min: float = 0.02
+    zero_init: bool = True  # adaLN-Zero: gates, timestep modulation and output head start at zero
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -124,6 +127,20 @@ def noised_batch(x0: Tensor, frames_per_chunk: int, gen: torch.Generator, cfg: T
     return torch.cat([x0, xt], dim=2), t, eps - x0
 
 
+def zero_init_(model: CausalVideoDiT) -> None:
+    """adaLN-Zero (DiT, Peebles & Xie 2023): zero the output head, the timestep modulation's
+    last projection and every block's gates, so that each block starts as the identity and
+    the initial flow prediction is zero. In place."""
+    with torch.no_grad():
+        model.head.weight.zero_()
+        model.head.bias.zero_()
+        model.time_proj[-1].weight.zero_()
+        model.time_proj[-1].bias.zero_()
+        for blk in model.blocks:
+            blk.modulation[:, 2].zero_()  # gate of self-attention
+            blk.modulation[:, 5].zero_()  # gate of the FFN
+
+
 def _lr(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -146,6 +163,8 @@ def _train(cfg: TrainConfig, progress: Callable[[int, float], None] | None) -> T
     mcfg = toy_config()
     fpc = mcfg.frames_per_chunk
     model = CausalVideoDiT(mcfg, seed=cfg.seed).train()
+    if cfg.zero_init:
+        zero_init_(model)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
