@@ -61,22 +61,21 @@ def brute_keep(p_row, protected_row, tau):
     return keep
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_mass_keep_is_per_query_mass(seed):
     g = torch.Generator().manual_seed(seed)
     R, N = 7, int(torch.randint(6, 120, (1,), generator=g))
     s = torch.randn(R, N, generator=g) * (1 + seed % 4)
     if seed % 2:
         s = (s * 2).round() / 2  # exact ties in mass
-    p = s.softmax(-1)
+    p = s.double().softmax(-1)  # float64 rows: PerQueryMass sums in float64 too (see mass_keep)
     tau = [0.3, 0.1, 0.02, 1e-3][seed % 4]
     oracle = PerQueryMass(tau, protect_sinks=seed % 3, protect_recent=seed % 5)
     prot = oracle.protected(torch.arange(N)).expand(R, N)
     got = mass_keep(p, prot, tau, width=1 + seed)  # narrow widths: rows regrow their topk
     assert torch.equal(got, oracle.keep(p))
-    for r in range(R):  # and a brute force (generic rows: the float64 sum agrees)
-        if seed % 2 == 0:
-            assert set(got[r].nonzero().flatten().tolist()) == brute_keep(p[r].double().tolist(), prot[r].tolist(), tau)
+    for r in range(R):  # and a brute force per query
+        assert set(got[r].nonzero().flatten().tolist()) == brute_keep(p[r].tolist(), prot[r].tolist(), tau)
 
 
 def test_oracle_attention_is_the_renormalised_softmax_over_the_set():

@@ -227,6 +227,11 @@ class Certifier(CacheObserver):
         R = self.storage.recall_slots
         return max((R - len(free) for per in self._free for free in per), default=0)
 
+    def recall_held(self, layer: int) -> list[int]:
+        """Recalled tokens each head of ``layer`` holds now (host bookkeeping)."""
+        R = self.storage.recall_slots
+        return [R - len(free) for free in self._free[layer]] if self._free else [0] * self.heads
+
     def main_slot_positions(self, layer: int) -> Tensor:
         """Positions of the slots the policy manages (recall slots excluded): ``[H, cap]``."""
         return self.storage.layer_positions(layer)[:, : self.storage.capacity]

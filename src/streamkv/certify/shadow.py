@@ -220,6 +220,7 @@ class HistoryCheck(CacheObserver):
         ok = (rem <= self.tau).all(dim=2).all(dim=0)  # [H, N + 1]
         need_h = torch.where(ok, torch.arange(N + 1, device=s.device), N + 1).amin(-1)  # [H]
         self._acc("oracle_recall_total", need_h.sum(), "sum")
+        self._acc("recall_held_total", torch.tensor(sum(certifier.recall_held(layer))), "sum")
         st = self.steps[-1]
         st.oracle_recall = max(st.oracle_recall, int(need_h.amax()))
         st.recall_in_use = max(st.recall_in_use, certifier.recall_slots_in_use())
@@ -261,6 +262,7 @@ class HistoryCheck(CacheObserver):
             out["over_tau"] = acc.get("over_tau", 0)
             out["oracle_recall_peak"] = max((st.oracle_recall for st in self.steps), default=0)
             out["oracle_recall_total"] = acc.get("oracle_recall_total", 0)  # tokens, summed over steps and heads
+            out["recall_held_total"] = acc.get("recall_held_total", 0)  # recalled tokens held at attention, same sum
             out["recall_in_use_peak"] = max((st.recall_in_use for st in self.steps), default=0)
         out.update(tightness_stats(ratios))
         out["tightness_by_true_mass"] = self.tightness_by_true_mass()

@@ -5,11 +5,11 @@ attention mass is ``>= 1 - tau`` (sinks and the query's own chunk protected): th
 :class:`streamkv.budget.oracles.PerQueryMass` defines. Nothing streaming can do this (it
 needs the whole history and the query first); it is the yardstick for the streaming caches.
 
-:func:`mass_keep` computes that set for many rows at once. It is the same set as
+:func:`mass_keep` computes that set for many rows at once. It is the set of
 ``PerQueryMass.keep`` (order: protected first, then mass descending, then position ascending;
-the count is the smallest whose kept mass, summed as ``(p * keep).sum(-1)``, reaches
-``1 - tau``), found with ``topk`` of growing width instead of a full sort of every row (a
-real model's attention puts ``1 - tau`` of its mass on a few hundred of thousands of keys).
+the smallest such prefix whose mass reaches ``1 - tau``; the mass summed in float64, see
+:func:`mass_keep`), found with ``topk`` of growing width instead of a full sort of every row
+(a real model's attention puts ``1 - tau`` of its mass on a few hundred of thousands of keys).
 It takes a per-row protected mask, so rows of different chunks share one call.
 ``tests/test_lm_eval.py`` checks it against ``PerQueryMass.keep`` and a brute force.
 
@@ -52,11 +52,6 @@ def _prefix(cand: Tensor, prot: Tensor, vals: Tensor, j: Tensor) -> Tensor:
     return prot | (take & (j > 0).unsqueeze(1))
 
 
-def _kept_mass(p: Tensor, cand: Tensor, prot: Tensor, vals: Tensor, j: Tensor) -> Tensor:
-    """``[r]``: ``(p * keep).sum(-1)`` for the prefix of length ``j`` (the canonical kept mass)."""
-    return (p * _prefix(cand, prot, vals, j)).sum(-1)
-
-
 def mass_keep(p: Tensor, protected: Tensor, tau: float, *, width: int = 256) -> Tensor:
     """The per-query oracle's kept set for each row.
 
@@ -69,51 +64,37 @@ def mass_keep(p: Tensor, protected: Tensor, tau: float, *, width: int = 256) -> 
 
     Returns:
         ``[R, N]`` bool: per row, the protected keys plus the fewest others, heaviest first
-        (older first on equal mass), whose kept mass ``(p * keep).sum(-1)`` is
-        ``>= 1 - tau``; every key if no prefix reaches it (as ``PerQueryMass``).
+        (older first on equal mass), whose kept mass reaches ``1 - tau``; every key if no
+        prefix reaches it. The mass is summed in float64 (the protected keys' sum, then the
+        others in order): ``PerQueryMass`` sums ``(p * keep).sum(-1)`` in ``p``'s dtype, so
+        the two can differ by one key when those two sums fall on either side of ``1 - tau``
+        (a rounding-level tie; equal sets otherwise, checked on float64 rows in the tests).
     """
     if p.dim() != 2 or protected.shape != p.shape or protected.dtype != torch.bool:
         raise ValueError(f"p must be [R, N] and protected a bool mask of the same shape, got {tuple(p.shape)} and "
                          f"{tuple(protected.shape)} {protected.dtype}")
     if not 0.0 < tau < 1.0:
         raise ValueError(f"tau must be in (0, 1), got {tau}")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
     R, N = p.shape
     target = 1.0 - tau
     keep = protected.clone()
-    todo = ((p * protected).sum(-1) < target).nonzero().flatten()
-    n_cand_all = N - protected.sum(-1)
+    base = (p * protected).sum(-1, dtype=torch.float64)  # the protected mass
+    todo = (base < target).nonzero().flatten()
+    n_cand = N - protected.sum(-1)
     k = width
     while todo.numel():
         k = min(k, N)
-        sp, prot = p[todo], protected[todo]
-        cand = sp.masked_fill(prot, -1.0)  # protected never compete; every candidate is >= 0
-        n_cand = n_cand_all[todo]
-        vals = cand.topk(k, dim=-1).values
-        usable = n_cand.clamp(max=k)  # candidates among the k values
-        base = (sp * prot).sum(-1, keepdim=True)
-        reached = (base + vals.clamp(min=0).cumsum(-1)) >= target
-        reached &= torch.arange(k) < usable.unsqueeze(1)
-        j = torch.where(reached.any(-1), reached.to(torch.int8).argmax(-1) + 1, usable)
-        # settle j on the canonical sum (monotone in j): grow while short, then shrink while
-        # one fewer still reaches the target
-        km = _kept_mass(sp, cand, prot, vals, j)
-        while True:
-            grow = (km < target) & (j < usable)
-            if not grow.any():
-                break
-            j = j + grow.long()
-            km = _kept_mass(sp, cand, prot, vals, j)
-        while True:
-            fewer = (j - 1).clamp(min=0)
-            drop = (j > 0) & (_kept_mass(sp, cand, prot, vals, fewer) >= target)
-            if not drop.any():
-                break
-            j = torch.where(drop, fewer, j)
-            km = _kept_mass(sp, cand, prot, vals, j)
-        # settled: the target reached, or every candidate taken (no prefix reaches it: keep all)
-        done = (km >= target) | (j >= n_cand)
-        if k == N and not bool(done.all()):  # pragma: no cover - j == usable == n_cand when k == N
-            raise RuntimeError("mass_keep: rows unsettled with every candidate in view")
+        prot = protected[todo]
+        cand = p[todo].masked_fill(prot, -1.0)  # protected never compete; every candidate is >= 0
+        vals = cand.topk(k, dim=-1).values  # descending
+        seen = n_cand[todo].clamp(max=k)  # candidates among the k values
+        reached = (base[todo].unsqueeze(1) + vals.double().clamp(min=0).cumsum(-1)) >= target
+        reached &= torch.arange(k) < seen.unsqueeze(1)
+        hit = reached.any(-1)
+        j = torch.where(hit, reached.to(torch.int8).argmax(-1) + 1, seen)
+        done = hit | (seen >= n_cand[todo])  # the target reached, or every candidate in view (keep all)
         keep[todo[done]] = _prefix(cand[done], prot[done], vals[done], j[done])
         todo = todo[~done]
         k *= 4
