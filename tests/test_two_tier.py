@@ -195,3 +195,16 @@ def test_cli_real_fails_fast_on_bad_arguments(capsys):
                  ["--video-frames", "0"]):
         assert main(["certify", "--real", *argv]) == 2, argv
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["ring", "tova"])
+def test_two_tier_in_the_video_rollout(kind):
+    """The DiT's rollout (every denoising step and the clean pass rewrite the chunk) with key sketches
+    and certified recall: every certificate valid, recall used, the kernel equal to the certificate's
+    float64 attention over what is held."""
+    from streamkv.lab.experiments.certify import RunConfig, SummaryOptions, run_dit
+
+    run = RunConfig(cache=kind, recall_tau=0.05, recall_slots=48, tau=0.05, summary=SummaryOptions(sketch_bits=8))
+    r = run_dit(run, chunks=6)
+    assert r["violations"] == 0 and r["count_mismatch"] == 0 and r["queries_checked"] > 10_000
+    assert r["recalled_tokens"] > 0 and r["tightness_median"] < 1.2

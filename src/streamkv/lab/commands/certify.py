@@ -21,8 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-layers", default="2,10,20,28", help="with --real: SmolLM2 layers, default 2,10,20,28")
     p.add_argument("--lm-chunk", type=int, default=16, help="with --real: SmolLM2 prefill chunk, default 16")
     p.add_argument("--video-frames", type=int, default=48, help="with --real: frames of the video stream, default 48")
-    p.add_argument("--cache", choices=("ring", "mass"), default="ring",
-                   help="the cache to certify: ring (fixed window + sinks) or mass (mass budget); default ring")
+    p.add_argument("--cache", choices=("ring", "chronological", "mass", "h2o", "tova"), default="ring",
+                   help="the cache to certify (ring: fixed window + sinks; mass: mass budget; h2o, tova: scored); "
+                        "default ring")
+    p.add_argument("--sketch-bits", type=int, choices=(8, 4), default=None,
+                   help="summarise evicted keys as per-token 8- or 4-bit sketches (the two-tier cache) instead of "
+                        "block boxes")
     p.add_argument("--tau", type=float, default=0.1,
                    help="recall threshold on the certified dropped mass (with --recall), default 0.1")
     p.add_argument("--recall", action="store_true",
@@ -152,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pool_events < 0 or args.block_tokens < 1 or args.every < 1 or args.seed < 0:
         raise ValueError("--pool-events must be >= 0, --block-tokens and --every >= 1, --seed >= 0")
     summary = SummaryOptions(box_dtype=args.box_dtype, pool_events=args.pool_events or None,
-                             block_tokens=args.block_tokens, max_blocks=args.max_blocks)
+                             block_tokens=args.block_tokens, max_blocks=args.max_blocks, sketch_bits=args.sketch_bits)
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 160))

@@ -41,7 +41,7 @@ from streamkv.lab.plotting import pyplot, save
 __all__ = ["SummaryOptions", "RunConfig", "run_synthetic", "run_dit", "run_certify", "plot_certify", "CACHES"]
 
 #: the cache kinds the experiment certifies
-CACHES = ("ring", "mass")
+CACHES = ("ring", "chronological", "mass", "h2o", "tova")  # every kind that evicts
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -55,8 +55,11 @@ class SummaryOptions:
     pool_events: int | None = 8
     block_tokens: int = 24
     max_blocks: int | None = None
+    sketch_bits: int | None = None  # 8 or 4: per-token key sketches instead of boxes (the two-tier cache)
 
     def kwargs(self) -> dict[str, Any]:
+        if self.sketch_bits is not None:
+            return dict(sketch_bits=self.sketch_bits, block_tokens=self.block_tokens)
         return dict(box_dtype=None if self.box_dtype is None else _DTYPES[self.box_dtype],
                     events_per_block=self.events_per_block, pool_events=self.pool_events,
                     block_tokens=self.block_tokens, max_blocks=self.max_blocks)
@@ -66,7 +69,7 @@ class SummaryOptions:
 class RunConfig:
     """One certified rollout's settings (recorded with its result)."""
 
-    cache: str = "ring"  # "ring" | "mass"
+    cache: str = "ring"  # any cache kind that evicts: "ring", "chronological", "mass", "h2o", "tova"
     budget_tau: float = 0.05  # the mass cache's eviction budget (ignored by the ring)
     recall_tau: float | None = None  # recall threshold; None: no recall
     recall_slots: int = 0
