@@ -162,20 +162,23 @@ def reference_losses(model, seg, sink, window, spans):
     return losses
 
 
-def test_ring_and_window_equal_a_float64_sink_window_reference():
+@pytest.mark.parametrize("decode", [8, 5])  # the tail starts at the chunk boundary 32 either way
+def test_ring_and_window_equal_a_float64_sink_window_reference(decode):
     model = tiny(torch.float64)
     ids = tokens(80, seed=2)
-    result = evaluate(model, ids, LMEvalConfig(**SMALL, kinds=("window", "ring"), oracle_taus=()))
+    result = evaluate(model, ids, LMEvalConfig(**{**SMALL, "decode": decode}, kinds=("window", "ring"), oracle_taus=()))
+    n = min(decode, 7)  # predictions of the tail: positions 32 .. 32 + decode - 1, at most 38
     for label, sink in (("window", 0), ("ring", 2)):
         entries = {e["mode"]: e for e in result["caches"][label]}
-        stream, decode = [], []
+        assert entries["decode"]["predictions"] == 2 * n
+        stream, dec = [], []
         for seg in (ids[:, :40], ids[:, 40:]):
             stream += reference_losses(model, seg, sink, 16 - sink, [4] * 10)
-            decode += reference_losses(model, seg, sink, 16 - sink, [4] * 8 + [1] * 8)[32:]
+            dec += reference_losses(model, seg, sink, 16 - sink, [4] * 8 + [1] * decode)[32 : 32 + n]
         assert entries["stream"]["perplexity"] == pytest.approx(ppl(stream), rel=1e-10)
-        assert entries["decode"]["perplexity"] == pytest.approx(ppl(decode), rel=1e-10)
+        assert entries["decode"]["perplexity"] == pytest.approx(ppl(dec), rel=1e-10)
         # the chunked run on the decoded predictions: the stream reference's tail
-        tail = [x for i in range(2) for x in stream[39 * i + 32 : 39 * i + 39]]
+        tail = [x for i in range(2) for x in stream[39 * i + 32 : 39 * i + 32 + n]]
         assert entries["decode"]["chunk4_perplexity_same_predictions"] == pytest.approx(ppl(tail), rel=1e-10)
 
 
@@ -238,7 +241,8 @@ def test_json_payload_has_the_documented_keys():
     ({"segment": 300}, "trained context"),
     ({"tokens": 70}, "multiple of segment"),
     ({"memory": (8,)}, "memory 8"),
-    ({"decode": 6}, "decode"),
+    ({"decode": 30}, "decode"),  # the prefill (to position 8) would not fill the 16-token memory
+    ({"decode": -1}, "decode"),
     ({"kinds": ("lru",)}, "kinds"),
 ])
 def test_bad_settings_are_refused(bad, match):

@@ -208,3 +208,31 @@ def test_two_tier_in_the_video_rollout(kind):
     r = run_dit(run, chunks=6)
     assert r["violations"] == 0 and r["count_mismatch"] == 0 and r["queries_checked"] > 10_000
     assert r["recalled_tokens"] > 0 and r["tightness_median"] < 1.2
+
+
+def test_queries_after_the_write_equal_queries_with_it():
+    """observe_queries (queries that arrive after the write, as in transformers) does what
+    update(k, v, q) does: the same recall, the same outputs; refused outside an open span."""
+    outs = {}
+    for split in (False, True):
+        g = torch.Generator().manual_seed(0)
+        c = KVCache((1, 12, 2, 8), (1, 12, 2, 8), policy="ring", seq_dim=1, sink=2, window=10, chunk=4,
+                    num_layers=1, recall_slots=8)
+        cert = Certifier(c, sketch_bits=8, block_tokens=4, recall_tau=0.05)
+        check = HistoryCheck(cert, tau=0.05)
+        res = []
+        for i in range(10):
+            c.begin_chunk(i)
+            q, k, v = (torch.randn(1, 4, 2, 8, generator=g) * 2 for _ in range(3))
+            if split:
+                read = c.layer(0).update(k, v)
+                c.layer(0).observe_queries(q)
+            else:
+                read = c.layer(0).update(k, v, q)
+            res.append(attend(q, read)[0])
+            c.commit_chunk(i)
+        assert check.result()["violations"] == 0 and cert.stats["recalled_tokens"] > 0
+        outs[split] = torch.cat(res)
+    assert torch.equal(outs[False], outs[True])
+    with pytest.raises(RuntimeError, match="observe_queries\\(\\) needs an open span"):
+        c.observe_queries(torch.zeros(1, 4, 2, 8), layer=0)

@@ -298,11 +298,26 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         read_occ = self._check_occupancy(occupancy)
         self._write(layer, k, v)
         if q is not None:
-            if self.policy.needs_queries:
-                self.policy.take_queries(layer, q)
-            for obs in self._observers:
-                obs.on_queries(self, layer, q)
+            self._deliver_queries(layer, q)
         return self._read(layer, read_occ)
+
+    def observe_queries(self, q: Tensor, *, layer: int | None = None) -> None:
+        """Hand the open span's queries of ``layer`` to the policy and the observers *after* its
+        write: the second half of :meth:`update`, for integrations whose queries arrive after
+        the K/V (transformers calls ``cache.update(k, v)`` before its attention function sees
+        the queries). Call it before attending: an observer may change what the read holds
+        (certified recall fills the recall slots here)."""
+        layer = self._check_layer(layer)
+        if not self._open:
+            raise RuntimeError("observe_queries() needs an open span: call begin_chunk / begin_tokens and write first")
+        self._check_queries(q)
+        self._deliver_queries(layer, q)
+
+    def _deliver_queries(self, layer: int, q: Tensor) -> None:
+        if self.policy.needs_queries:
+            self.policy.take_queries(layer, q)
+        for obs in self._observers:
+            obs.on_queries(self, layer, q)
 
     def commit_chunk(self, chunk_idx: int) -> None:
         """Make the open chunk history (host side). A scored policy evicts here (and
@@ -497,6 +512,10 @@ class LayerView:
 
     def write(self, k: Tensor, v: Tensor) -> None:
         self.cache.write(k, v, layer=self.index)
+
+    def observe_queries(self, q: Tensor) -> None:
+        """Queries after the write (:meth:`KVCache.observe_queries`)."""
+        self.cache.observe_queries(q, layer=self.index)
 
     def read(self, occupancy: Occupancy | None = None) -> KVRead:
         return self.cache.read(self.index, occupancy)

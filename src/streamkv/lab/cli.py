@@ -35,7 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamkv",
-        description="KV caches for streaming video diffusion: ring vs the current path, and mass budgets.",
+        description="KV caches for streaming generators (video diffusion, LLMs): the ring, scored policies, certified recall, and the lab that measures them.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -31,6 +31,7 @@ class DiTConfig:
     max_frames: int = 1024
     freq_dim: int = 256
     eps: float = 1e-6
+    rope_theta: float = 10000.0  # RoPE base (Wan's); small grids discriminate positions better with less
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:

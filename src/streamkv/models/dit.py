@@ -223,7 +223,7 @@ class CausalVideoDiT(nn.Module):
             self.head_norm = nn.LayerNorm(d, eps=cfg.eps, elementwise_affine=False)
             self.head_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
             self.head = nn.Linear(d, cfg.in_channels * p * p)
-        self.rope = Rope3D(cfg.head_dim, cfg.grid_h, cfg.grid_w, max_frames=cfg.max_frames)
+        self.rope = Rope3D(cfg.head_dim, cfg.grid_h, cfg.grid_w, max_frames=cfg.max_frames, theta=cfg.rope_theta)
 
     # ----------------------------------------------------------------- shapes
     def latent_shape(self, batch: int) -> tuple[int, ...]:

@@ -12,10 +12,11 @@ What runs (streamkv.lab.experiments.lm_eval): the first --tokens tokens of the t
 segment is a fresh stream (absolute positions from 0). Every cache streams every segment:
   chunks of C   the whole segment in spans of C tokens (the cache's chunk), C in --chunks;
                 perplexity over every prediction of the segments
-  token by token  (--decode D > 0) the last D tokens of each segment one per forward, after
-                a prefill in chunks of the largest C (the state is saved at the split; the
-                same prefill also continues in chunks); perplexity over those predictions,
-                beside the chunked run's on the same predictions
+  token by token  (--decode D > 0) D tokens of each segment one per forward, after a
+                prefill in chunks of the largest C up to the last chunk boundary at or before
+                segment - D (the state is saved there; the same prefill also continues in
+                chunks); perplexity over those D predictions, beside the chunked run's on
+                the same predictions
 Caches, each at --memory M tokens per layer and key head (sink + window slots: equal KV
 bytes): full (holds the segment; exact at any chunk, streamed once at the largest chunk),
 window (no sinks), ring (--sink sinks + window), mass(tau) per --taus, h2o, tova (scored
@@ -26,10 +27,17 @@ Attention error: per layer, ||o - o_full|| / ||o_full|| per (query, head) of the
 attention against exact full-history attention of the same query (the run's own history),
 for queries at every --error-stride-th position; mean and p99.
 
-Cost on a shared 2-core CPU (float32, 1 thread): ~10 ms per token in chunks of 64, ~20 in
-chunks of 16, ~180 token by token; the oracle adds its selection. The default run (~40-50
-min) is the full grid at chunk 64 and 16 with the token-by-token tail; --quick is a few
-minutes (not enough tokens for the targets).
+Cost, measured on a shared 2-core CPU (float32, 1 thread, load ~4): per token ~10 ms in
+chunks of 64, ~25 in chunks of 16, 100-300 token by token (decode is bound by reading the
+weights; the scored kinds commit every token); the oracle ~35 ms at a 4k-token segment
+(full-history attention and its selection). Every cache streams every token, so the
+cost is (caches x memories x chunks) x tokens: the default (16384 tokens in 4 segments of
+4096; chunks of 64 and a 32-token decode tail per segment; memory 256 and 1024, i.e.
+6.25% and 25% of the full cache; window, ring, mass at tau 0.001 and 0.01, h2o, tova;
+oracle at tau 0.05) takes about 55 minutes there. Add --chunks 64,16, --memory
+256,512,1024,2048 for the whole grid (hours), or --chunks 1 for whole segments token by
+token (about 0.2 s per token per cache). --quick takes ~5 minutes (2048 tokens: too few
+for conclusions).
 
 JSON (--json): model, text {title, author, licence, package, offset}, tokens, segment,
 segments, chunk (the modes' chunk sizes; 1 = token by token), decode, prefill_chunk,
@@ -42,7 +50,7 @@ ring_perplexity, beats_ring, ratio_to_full}, within_2pct_at_25pct_memory,
 best_ratio_at_25pct_memory], config, command, wall_s, versions.
 """
 
-QUICK = {"tokens": 2048, "segment": 1024, "chunks": (64,), "memory": (256,), "decode": 64,
+QUICK = {"tokens": 2048, "segment": 1024, "chunks": (64,), "memory": (256,), "decode": 32, "taus": (0.01,),
          "oracle_taus": (0.05,)}
 
 
@@ -64,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink", type=int, default=d.sink, help=f"sink tokens of the ring and scored kinds (default {d.sink})")
     p.add_argument("--kinds", type=lambda s: tuple(k for k in s.split(",") if k), default=d.kinds,
                    help=f"bounded caches (default {','.join(d.kinds)})")
-    p.add_argument("--taus", type=_floats, default=d.taus, help=f"mass cache taus (default {','.join(map(str, d.taus))})")
+    p.add_argument("--taus", type=_floats, default=None, help=f"mass cache taus (default {','.join(map(str, d.taus))})")
     p.add_argument("--oracle-taus", type=_floats, default=None,
                    help=f"oracle taus (default {','.join(map(str, d.oracle_taus))}; 'none' skips the oracle)")
     p.add_argument("--decode", type=int, default=None,
@@ -101,9 +109,9 @@ def config(args: argparse.Namespace):
     d = LMEvalConfig()
     preset = QUICK if args.quick else {}
     given = {"tokens": args.tokens, "segment": args.segment, "chunks": args.chunk_sizes, "memory": args.memory,
-             "decode": args.decode, "oracle_taus": args.oracle_taus}
+             "decode": args.decode, "oracle_taus": args.oracle_taus, "taus": args.taus}
     pick = {name: value if value is not None else preset.get(name, getattr(d, name)) for name, value in given.items()}
-    return LMEvalConfig(**pick, sink=args.sink, kinds=args.kinds, taus=args.taus, error_stride=args.error_stride)
+    return LMEvalConfig(**pick, sink=args.sink, kinds=args.kinds, error_stride=args.error_stride)
 
 
 def payload(result: dict, model_info: dict, text_info: dict, command: str, wall_s: float, versions: dict) -> dict:
@@ -120,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from streamkv.lab.commands._common import console as make_console
+    from rich.console import Console
+    from transformers.utils import logging
+
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment, threads
     from streamkv.lab.experiments.lm_eval import evaluate, plan_tokens
@@ -133,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = config(args)
     cfg.check(8192)
     t0 = time.perf_counter()
-    console = make_console()
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 170))
+    logging.disable_progress_bar()  # the GGUF conversion's bars
     model, tok = load_smollm2()
     cfg.check(model.config.max_position_embeddings)
     ids = text_tokens(tok, moby_dick(), args.offset + cfg.tokens)[:, args.offset:]
@@ -144,10 +157,20 @@ def run(args: argparse.Namespace) -> int:
     text_info = {k: MOBY_DICK[k] for k in ("title", "author", "licence", "package")} | {"offset": args.offset}
     console.print(f"[bold]{SMOLLM2['name']}[/] on {MOBY_DICK['title']} ({MOBY_DICK['package']}), tokens "
                   f"[{args.offset}, {args.offset + cfg.tokens}) in {cfg.tokens // cfg.segment} segments of {cfg.segment}")
+    total = plan_tokens(cfg)
     with threads(args.threads), Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                                          TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("", total=plan_tokens(cfg))
-        result = evaluate(model, ids, cfg, progress=lambda what, n: bar.update(task, advance=n, description=what))
+        task = bar.add_task("", total=total)
+        state = {"what": None, "done": 0}
+
+        def progress(what: str, n: int) -> None:
+            bar.update(task, advance=n, description=what)
+            if not console.is_terminal and what != state["what"]:  # logs: a line per run
+                console.print(f"{time.perf_counter() - t0:7.0f} s  {state['done']:>7}/{total} tokens  {what}")
+                state["what"] = what
+            state["done"] += n
+
+        result = evaluate(model, ids, cfg, progress=progress)
     wall = time.perf_counter() - t0
     result["model"] = model_info
     print_lm_eval(console, result)

@@ -7,11 +7,12 @@ to the model through each cache:
 
 ``stream`` modes   the whole segment in spans of ``chunk`` tokens (the cache's chunk), for
                    each chunk in ``chunks``; the loss of every prediction in the segment
-``decode`` mode    token by token: the segment's first ``segment - decode`` tokens in spans
-                   of the largest chunk (a chunked prefill, the cache's chunk), then the last
-                   ``decode`` tokens one per forward (the cache's state is saved at the split
-                   and the same prefill continues in chunks, so both share it); the loss of
-                   the predictions made by those ``decode`` forwards
+``decode`` mode    token by token: the segment up to ``split`` (the last chunk boundary at or
+                   before ``segment - decode``) in spans of the largest chunk (a chunked
+                   prefill, the cache's chunk), then ``decode`` tokens one per forward (the
+                   cache's state is saved at the split and the same prefill continues in
+                   chunks, so both share it); the loss of the predictions made by those
+                   ``decode`` forwards
 
 Caches (``memory_tokens`` = ``sink + window`` slots per layer and key head, equal KV bytes):
 ``full`` (a ring that holds the segment: nothing evicted; streamed at the largest chunk and
@@ -56,13 +57,13 @@ class LMEvalConfig:
 
     tokens: int = 16384
     segment: int = 4096
-    chunks: tuple[int, ...] = (64, 16)
-    memory: tuple[int, ...] = (256, 512, 1024, 2048)
+    chunks: tuple[int, ...] = (64,)
+    memory: tuple[int, ...] = (256, 1024)
     sink: int = 4
     kinds: tuple[str, ...] = KINDS
-    taus: tuple[float, ...] = (0.01,)
+    taus: tuple[float, ...] = (0.001, 0.01)
     oracle_taus: tuple[float, ...] = (0.05,)
-    decode: int = 128
+    decode: int = 32
     error_stride: int = 8
     oracle_span: int = 64
 
@@ -90,11 +91,20 @@ class LMEvalConfig:
             raise ValueError(f"taus must be in (0, 1), got {self.taus} and {self.oracle_taus}")
         if "mass" in self.kinds and not self.taus:
             raise ValueError("the mass kind needs at least one tau")
-        if self.decode:
-            if C < 2 or self.decode % C or self.segment - self.decode < max(self.memory, default=0):
-                raise ValueError(f"decode ({self.decode}) must be a multiple of the largest chunk ({C} >= 2) and leave "
-                                 f"a prefill of at least the largest memory ({max(self.memory, default=0)}) in the "
-                                 f"segment ({self.segment})")
+        if self.decode < 0:
+            raise ValueError(f"decode must be >= 0, got {self.decode}")
+        if self.decode and (C < 2 or self.split() < max(self.memory, default=0)):
+            raise ValueError(f"decode ({self.decode}) needs a largest chunk >= 2 (got {C}) and a prefill (to the last "
+                             f"chunk boundary before segment - decode = {self.segment - self.decode}) of at least the "
+                             f"largest memory ({max(self.memory, default=0)}), got {self.split()}")
+
+    def split(self) -> int:
+        """Where the token-by-token tail starts: the last boundary of the largest chunk at or
+        before ``segment - decode`` (``segment`` without a tail)."""
+        if not self.decode:
+            return self.segment
+        C = max(self.chunks)
+        return max(0, self.segment - self.decode) // C * C
         if self.error_stride < 1 or self.oracle_span < 1 or self.sink < 0:
             raise ValueError("error_stride and oracle_span must be >= 1 and sink >= 0")
 
@@ -156,11 +166,18 @@ def evaluate(model: Any, ids: Tensor, cfg: LMEvalConfig,
     eval mode; its attention implementation is switched and restored) on ``ids [1, >=
     tokens]`` (the first ``tokens`` are used). ``progress(description, tokens_done)``.
 
-    Returns ``{config, tokens, segment, segments, chunk, decode, caches: {label: [entry]},
-    oracle: [entry], targets, seconds}``; an entry is ``{mode, chunk, memory_tokens,
-    perplexity, predictions, perplexity_evicting, full_perplexity_evicting,
-    attn_error_mean, attn_error_p99, attn_error_layers, resident_mean, ...}``.
+    Returns ``{config, tokens, segment, segments, chunk, decode, prefill_chunk, caches:
+    {label: [entry]}, oracle: [entry], targets}``; a cache entry is ``{mode, chunk,
+    memory_tokens, perplexity, predictions, perplexity_evicting, full_perplexity_evicting,
+    predictions_evicting, attn_error_mean, attn_error_p99, attn_error_layers, resident_mean,
+    seconds}``, an oracle entry ``{tau, mode, chunk, memory_tokens (mean kept keys per (query,
+    head)), memory_p99, memory_max, perplexity, full_perplexity, attn_error_*, seconds}``.
+    Perplexities are ``exp`` of the mean next-token loss (log-softmax in the logits' dtype,
+    summed in float64). Nothing of ``model`` changes but its attention implementation, which
+    is restored.
     """
+    from transformers import DynamicCache
+
     import streamkv.integrations.transformers as skv
 
     register_oracle()
@@ -171,7 +188,8 @@ def evaluate(model: Any, ids: Tensor, cfg: LMEvalConfig,
     S, nseg = cfg.segment, cfg.tokens // cfg.segment
     segs = [ids[:, i * S : (i + 1) * S] for i in range(nseg)]
     C = max(cfg.chunks)
-    split = S - cfg.decode if cfg.decode else S
+    split = cfg.split()
+    stop = split + cfg.decode  # the token-by-token tail: [split, stop)
     heads = mcfg.num_attention_heads
     kv_heads = getattr(mcfg, "num_key_value_heads", None) or heads
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // heads
@@ -203,8 +221,8 @@ def evaluate(model: Any, ids: Tensor, cfg: LMEvalConfig,
             tail = build()
             tail.kv.load_state_dict(cache.kv.state_dict())
             errors.tag = f"{label}@{memory}/decode"
-            stream_losses(model, seg, run.mode("decode")[i], span=1, start=split, forward_kwargs={"cache": tail},
-                          progress=tick(f"{label} m={memory} decode"))
+            stream_losses(model, seg, run.mode("decode")[i], span=1, start=split, stop=stop,
+                          forward_kwargs={"cache": tail}, progress=tick(f"{label} m={memory} decode"))
             errors.tag = f"{label}@{memory}/{key}"
             stream_losses(model, seg, run.mode(key)[i], span=chunk, start=split, **common)
         run.timed(key, time.perf_counter() - t0)
@@ -216,15 +234,13 @@ def evaluate(model: Any, ids: Tensor, cfg: LMEvalConfig,
         tail_stats = OracleRun(tau, cfg.sink, 1, mcfg.num_hidden_layers, cfg.error_stride)
         t0 = time.perf_counter()
         for i, seg in enumerate(segs):
-            from transformers import DynamicCache
-
             dc = DynamicCache(config=mcfg)
             common = {"span": cfg.oracle_span, "progress": tick(f"oracle tau={tau:g} c={chunk}")}
             stream_losses(model, seg, run.mode(f"c{chunk}")[i], stop=split if decode else S,
                           forward_kwargs={"cache": dc, KWARG: stats}, **common)
             if decode:
                 dc_tail = copy.deepcopy(dc)
-                stream_losses(model, seg, run.mode("decode")[i], start=split,
+                stream_losses(model, seg, run.mode("decode")[i], start=split, stop=stop,
                               forward_kwargs={"cache": dc_tail, KWARG: tail_stats}, **common)
                 stream_losses(model, seg, run.mode(f"c{chunk}")[i], start=split,
                               forward_kwargs={"cache": dc, KWARG: stats}, **common)
@@ -254,7 +270,7 @@ def _assemble(cfg: LMEvalConfig, runs: dict[str, _Run], meta: dict[str, dict[str
     pos = torch.arange(S - 1).expand(nseg, S - 1)  # the position each prediction is made at
     modes = [(f"c{c}", c, "stream", torch.ones(nseg, S - 1, dtype=torch.bool)) for c in cfg.chunks]
     if cfg.decode:
-        modes.append(("decode", 1, "decode", pos >= split))
+        modes.append(("decode", 1, "decode", (pos >= split) & (pos < split + cfg.decode)))
     full = runs[f"full@{S}"]
     caches: dict[str, list[dict[str, Any]]] = {}
     oracles: list[dict[str, Any]] = []

@@ -34,11 +34,13 @@ def print_lm_eval(console: Any, result: dict[str, Any]) -> None:
 
     for mode, chunk in _modes(result):
         full = next(e for e in result["caches"]["full"] if (e["mode"], e["chunk"]) == (mode, chunk))
-        t = Table(title=f"{mode_name(mode, chunk, result['prefill_chunk'])}: {full['predictions']} predictions; "
-                        f"perplexity, and on the predictions made where the cache had filled (position >= memory); "
-                        f"attention error per (query, head) vs full-history attention, all layers")
-        for c in ("memory", "cache", "ppl", "vs full", "ppl (pos >= mem)", "full there", "vs full there",
-                  "attn err mean", "attn err p99", "resident", "s"):
+        t = Table(title=f"{mode_name(mode, chunk, result['prefill_chunk'])}: {full['predictions']} predictions. ppl; "
+                        f"ppl@filled: on the predictions made at positions >= memory (the full cache's there); "
+                        f"attn err: ||o - o_full|| / ||o_full|| per (query, head) vs full-history attention, all "
+                        f"layers; resident: mean occupied slots per (layer, head); s: wall seconds of the cache's runs (chunks "
+                        f"and token-by-token tail together)")
+        for c in ("memory", "cache", "ppl", "vs full", "ppl@filled", "full@filled", "vs full", "err mean",
+                  "err p99", "resident", "s"):
             t.add_column(c, justify="left" if c == "cache" else "right", no_wrap=True)
         t.add_row(str(result["segment"]), "full", _f(full["perplexity"]), "", "", "", "",
                   _f(full["attn_error_mean"], ".1e"), _f(full["attn_error_p99"], ".1e"),
@@ -103,11 +105,14 @@ def plot_lm_eval(result: dict[str, Any], path: str | Path) -> Path:
                 ax.plot([o["memory_tokens"]], [o["perplexity"]], marker="*", ms=14, ls="", color="k")
                 ax.annotate(f"oracle tau={o['tau']:g}", (o["memory_tokens"], o["perplexity"]), fontsize=8)
                 ax_err.plot([o["memory_tokens"]], [o["attn_error_mean"]], marker="*", ms=14, ls="", color="k")
-        ax.set(xscale="log", xlabel="KV memory (tokens per layer and key head)", ylabel="perplexity",
-               title=mode_name(mode, chunk, result["prefill_chunk"]).split(" (")[0])
+        ax.set(xscale="log", yscale="log", xlabel="KV memory (tokens per layer and key head)",
+               ylabel="perplexity (log scale)", title=mode_name(mode, chunk, result["prefill_chunk"]).split(" (")[0])
         ax_err.set(xscale="log", yscale="log", xlabel="KV memory (tokens per layer and key head)",
                    ylabel="attention error, mean ||o - o_full|| / ||o_full||")
         ax.legend(fontsize=8)
+        for a in (ax, ax_err):
+            a.xaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+            a.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     fig.suptitle(f"{result.get('model', {}).get('name', 'model')}: {result['tokens']} tokens in segments of "
                  f"{result['segment']}")
     return save(fig, path)

@@ -113,9 +113,10 @@ def _stats(parts: list[Tensor]) -> dict[str, float | None]:
 
 def nll(logits: Tensor, targets: Tensor) -> Tensor:
     """``[n]`` float64: ``-log softmax(logits)[target]`` for the first ``n = len(targets)`` rows
-    of ``logits`` ``[T, vocab]`` (the log-softmax in float64)."""
+    of ``logits`` ``[T, vocab]`` (the log-softmax in the logits' dtype, at least float32)."""
     n = targets.numel()
-    lp = logits[:n].double().log_softmax(-1)
+    x = logits[:n]
+    lp = (x if x.dtype == torch.float64 else x.float()).log_softmax(-1)
     return -lp.gather(1, targets.view(-1, 1)).view(-1).double()
 
 
