@@ -172,9 +172,10 @@ def test_demo_writes_its_table_json_and_plot(tmp_path):
 
     from streamkv.lab.cli import main
 
-    assert main(["demo", "--out", str(tmp_path), "--chunks", "6"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--chunks", "6", "--video-frames", "16"]) == 0
     data = json.loads((tmp_path / "demo.json").read_text())
     assert {"chronological", "ring", "mass"} <= set(data)
     assert data["ring"]["retains_window"] and not data["mass"]["retains_window"]
     assert data["max_abs_diff"]["ring"] <= 1e-5 * data["output_scale"]
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert (tmp_path / "demo.gif").stat().st_size > 0 and (tmp_path / "demo_panel.gif").stat().st_size > 0

@@ -303,9 +303,12 @@ class KVStorage:
         """Move slots ``[src, src + n)`` to ``[dst, dst + n)`` in every layer, positions too
         (the current path's roll: clone, then copy back shifted)."""
         seq = self.seq_dim + 1  # buffers carry the layer dim first
-        for buf in (self.keys, self.values):
-            buf.narrow(seq, dst, n).copy_(buf.narrow(seq, src, n).clone())
-        self.positions.narrow(-1, dst, n).copy_(self.positions.narrow(-1, src, n).clone())
+        bufs = (self.keys, self.values, self.positions)
+        dims = (seq, seq, self.positions.dim() - 1)
+        # every temporary first: an allocation failure (out of memory) leaves everything as it was
+        moved = [buf.narrow(d, src, n).clone() for buf, d in zip(bufs, dims)]
+        for buf, d, m in zip(bufs, dims, moved):
+            buf.narrow(d, dst, n).copy_(m)
 
     def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
         """``layer``'s ``"k"`` / ``"v"`` rows at ``slots`` (a copy, token dim at ``seq_dim``)."""

@@ -30,6 +30,8 @@ Accumulation stays on the device; :meth:`result` synchronises.
 
 from __future__ import annotations
 
+import time
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +100,7 @@ class HistoryCheck(CacheObserver):
         self._dev_acc: dict[str, Tensor] = {}
         self.rows = 0
         self.pairs: list[tuple[Tensor, Tensor]] = []
+        self.seconds = 0.0  # host wall time spent checking (not the cache's cost)
 
     # ------------------------------------------------------------ observer API
     def on_reset(self, cache) -> None:
@@ -111,6 +114,20 @@ class HistoryCheck(CacheObserver):
             self.steps.append(StepRecord(chunk=chunk_idx))
 
     def on_write(self, cache, layer: int, k: Tensor, v: Tensor) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._record(cache, layer, k, v)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def on_certificate(self, certifier, layer: int, q: Tensor, cert: Certificate) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._check(certifier, layer, q, cert)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _record(self, cache, layer: int, k: Tensor, v: Tensor) -> None:
         start, n = cache.open_span
         need = start + n
         for store, t in ((self._k, k), (self._v, v)):
@@ -132,7 +149,7 @@ class HistoryCheck(CacheObserver):
         else:
             self._dev_acc[name] = torch.maximum(cur, value)
 
-    def on_certificate(self, certifier, layer: int, q: Tensor, cert: Certificate) -> None:
+    def _check(self, certifier, layer: int, q: Tensor, cert: Certificate) -> None:
         cache = certifier.cache
         N = cache.end
         K = self._k[layer][:, :N].transpose(1, 2)  # [B, H, N, D] float64

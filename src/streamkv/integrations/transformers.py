@@ -48,6 +48,24 @@ checks the 2D padding mask, before any layer runs. Another attention implementat
 model's config (:func:`build_cache`), else at the next layer's ``update`` (for a one-layer
 model, at the next forward).
 
+The two-tier cache. ``build_cache(config, kind, ..., recall_slots=R, certify={"recall_tau":
+0.05, "sketch_bits": 8})``: the cache of ``kind`` is the device budget; a
+:class:`~streamkv.certify.Certifier` (``cache.certifier``, position-causal, at the config's
+softmax scale ``head_dim ** -0.5``) keeps a key sketch of every evicted token on the device and
+its K/V on the host, and at every layer of every forward, between the write and the attention,
+certifies each query's evicted mass and copies evicted tokens back into the ``R`` recall slots
+per layer and key head until every query's certified mass is ``<= recall_tau`` (or the slots
+run out: ``cache.certifier.stats["shortfalls"]``). The attention then reads the budget's slots
+and the recall slots (positions masked as above): what each query attends to is what its
+certificate bounds. Such a cache stores K/V token-major (``[B, slots, H_kv, D]``, the
+certifier's layout; :mod:`.transformers_two_tier`) and hands transposed views across the
+boundary. Scope: the certificate bounds each layer's eviction error given that layer's inputs
+(:mod:`streamkv.certify`), not the drift of later layers' inputs. Eager only: a compiled
+forward (``prepare_step``, ``torch.compile(..., fullgraph=True)``) is refused; without
+``fullgraph`` dynamo runs the cache's update eagerly (a graph break). A certifier whose scale
+or causality is not the model's attention is refused at the first attention (the forward has
+then written layer 0: ``reset()``). No state dicts (the core refuses them with recall slots).
+
 Supported: ``generate()`` (tested: greedy, with and without ``prefill_chunk_size``; sampling
 runs the same forwards), batches without padding (every row at the same positions), forward loops
 ``model(input_ids=ids, cache=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
@@ -76,7 +94,7 @@ later layer) leaves its span incomplete: the cache then refuses every forward un
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -102,6 +120,7 @@ from .transformers_cache import (
     StreamKVLayer,
     check_attention_kwargs,
 )
+from .transformers_two_tier import build_certifier
 
 if not Version("5.24") <= Version(transformers.__version__) < Version("6"):  # pragma: no cover - environment
     raise ImportError(
@@ -142,8 +161,9 @@ def streamkv_attention(
 
     Returns:
         ``(out, None)``: ``out`` ``[B, T, H_q, D]`` in ``query``'s dtype. Nothing is mutated
-        except the scored policies' statistics (delivered by ``attend``) and the cache's
-        attended-layer count.
+        except the scored policies' statistics (delivered by ``attend``), the cache's
+        attended-layer count and, when the cache has observers, what they do with the
+        queries before the attention (a certifier: certificate, recall into the recall slots).
     """
     handoff = kwargs.get(KWARG)
     if not isinstance(handoff, Handoff):
@@ -155,7 +175,7 @@ def streamkv_attention(
     read, layer = handoff.read, handoff.layer
     if getattr(module, "layer_idx", layer) != layer:
         raise RuntimeError(f"the cache read is for layer {layer}, the attention module is layer {module.layer_idx}")
-    if key is not read.keys or value is not read.values:
+    if key is not handoff.keys or value is not handoff.values:
         raise RuntimeError(f"layer {layer}: key/value are not the buffers the StreamKVCache returned")
     check_attention_kwargs(kwargs)
     if getattr(module, "is_causal", True) is False:
@@ -168,9 +188,12 @@ def streamkv_attention(
             f"{type(attention_mask).__name__} mask that did not come from the streamkv mask function "
             f"(a custom 4D mask?)"
         )
-    out, _ = attend(query, read, causal=True, scale=scaling)
-    out = out.transpose(1, 2)
-    handoff.cache.attended(layer, query, read, out)
+    cache = handoff.cache
+    q = cache.queries(layer, query, scaling)  # the cache's layout; its observers certify and recall here
+    out, _ = attend(q, read, causal=True, scale=scaling)
+    if not cache.token_major:  # [B, H_q, T, D] -> [B, T, H_q, D] (token-major: already)
+        out = out.transpose(1, 2)
+    cache.attended(layer, query, read, out)
     return out, None
 
 
@@ -259,6 +282,8 @@ def build_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None,
+    recall_slots: int = 0,
+    certify: Mapping[str, Any] | None = None,
     **policy_params: Any,
 ) -> StreamKVCache:
     """A :class:`StreamKVCache` of ``kind`` for a model config.
@@ -272,6 +297,12 @@ def build_cache(
         sink: pinned first positions.
         batch_size, dtype, device: of the K/V buffers (``dtype``: the model's compute dtype).
         on_attention: see :class:`StreamKVCache`.
+        recall_slots: the two-tier cache's recall slots per layer and key head (besides
+            ``sink + window``); needs ``certify``.
+        certify: a dict of :class:`~streamkv.certify.Certifier` options (``recall_tau``,
+            ``sketch_bits``, ``block_tokens``, ...; ``scale`` defaults to the config's
+            ``head_dim ** -0.5``; ``causal`` is always True): makes the two-tier cache (see
+            the module docstring), ``cache.certifier``. None: a plain cache.
         policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
 
     Memory: the buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window,
@@ -281,8 +312,14 @@ def build_cache(
     ``sink + window - chunk`` after each commit (``chunk`` slots stay free for the next span),
     so a larger ``chunk`` costs them retained tokens.
 
+    Two-tier memory on the device: the buffers (``recall_slots`` more slots per layer and
+    key head: ``cache.kv.nbytes``), the policy's state, and the certifier's key sketches (they
+    grow with the evicted tokens: ``sum(s.nbytes for s in cache.certifier.summaries)``); the
+    evicted K/V themselves are on the host.
+
     Raises ``ValueError``/``TypeError`` naming the bad size, as the core does (e.g. scored
-    kinds need ``window >= 2 * chunk``), and as :func:`cache_shape` for configs.
+    kinds need ``window >= 2 * chunk``), and as :func:`cache_shape` for configs; recall slots
+    without ``certify``; ``certify`` options the Certifier does not take, or refuses.
     """
     if kind not in CACHE_KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
@@ -296,10 +333,21 @@ def build_cache(
         if memory_tokens <= sink:
             raise ValueError(f"memory_tokens (sink + window) must be > sink={sink}, got {memory_tokens}")
         window = memory_tokens - sink
+    if isinstance(recall_slots, bool) or not isinstance(recall_slots, int):
+        raise TypeError(f"recall_slots must be an int, got {type(recall_slots).__name__} {recall_slots!r}")
+    if recall_slots < 0:
+        raise ValueError(f"recall_slots must be >= 0, got {recall_slots}")
+    if recall_slots and certify is None:
+        raise ValueError(f"recall_slots={recall_slots} needs certify= (the certifier fills the recall slots)")
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     k_shape = cache_shape(cfg, batch_size, sink + window)
+    layout = {"seq_dim": 2, "head_dim": 1}
+    if certify is not None:  # token-major: the certifier's layout
+        B, H, S, D = k_shape
+        k_shape, layout = (B, S, H, D), {"seq_dim": 1, "head_dim": 2, "recall_slots": recall_slots}
     kv = CACHE_KINDS[kind](
-        k_shape, k_shape, seq_dim=2, head_dim=1, sink=sink, window=window, chunk=chunk,
-        num_layers=cfg.num_hidden_layers, dtype=dtype, device=device, **policy_params,
+        k_shape, k_shape, sink=sink, window=window, chunk=chunk, num_layers=cfg.num_hidden_layers, dtype=dtype,
+        device=device, **layout, **policy_params,
     )
-    return StreamKVCache(kv, config=cfg, on_attention=on_attention)
+    certifier = None if certify is None else build_certifier(kv, cfg, certify)
+    return StreamKVCache(kv, config=cfg, on_attention=on_attention, certifier=certifier)

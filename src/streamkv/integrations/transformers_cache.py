@@ -2,14 +2,17 @@
 :mod:`streamkv.integrations.transformers` for the semantics and the supported features).
 
 :class:`StreamKVCache` holds a :class:`~streamkv.caches.KVCache` whose ``k_shape`` is
-``(B, H_kv, sink + window, D)`` (``seq_dim=2``, heads at dim 1: transformers' own layout) and
-one :class:`StreamKVLayer` per decoder layer. A forward of ``n`` tokens is one streamkv span::
+``(B, H_kv, sink + window, D)`` (``seq_dim=2``, heads at dim 1: transformers' own layout), or
+``(B, sink + window, H_kv, D)`` (``seq_dim=1``, heads at dim 2: the *token-major* layout the
+certifier serves, with recall slots; see :mod:`.transformers_two_tier`), and one
+:class:`StreamKVLayer` per decoder layer. A forward of ``n`` tokens is one streamkv span::
 
     layer 0's update    commit the previous span (a scored policy evicts here), open the next
                         n positions (host side; skipped when prepare_step(n) already did it)
     layer i's update    write K/V into the span's slots; hand the layer's KVRead to the
                         attention function through the attention kwargs (key "streamkv")
-    attention           streamkv_attention: attend(q, read, causal=True); marks layer i done
+    attention           streamkv_attention: the queries to the cache's observers if it has
+                        any (certify, recall); attend(q, read, causal=True); marks layer i done
 
 The span stays open after the forward: the next forward commits it (a scored policy needs
 the statistics of every layer's attention first). Lifecycle checks are host-int checks
@@ -24,9 +27,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..caches import KVCache, KVRead
+from ..certify import Certifier
+from .transformers_layer import StreamKVLayer, refusal
+from .transformers_two_tier import check_certifiers
 
 __all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs"]
 
@@ -63,91 +69,44 @@ def check_attention_kwargs(attn_kwargs: dict[str, Any]) -> None:
 
 
 class Handoff:
-    """What one layer's update hands to the attention function: the cache, the layer index
-    and the :class:`~streamkv.caches.KVRead` to attend to (the span's queries' positions are
-    ``read.query_positions``)."""
+    """What one layer's update hands to the attention function: the cache, the layer index,
+    the :class:`~streamkv.caches.KVRead` to attend to (the span's queries' positions are
+    ``read.query_positions``), and the ``keys``/``values`` the update returned to the model
+    (``read.keys``/``read.values``, or their ``[B, H_kv, slots, D]`` views for a token-major
+    cache): the attention function checks that it was handed those."""
 
-    __slots__ = ("cache", "layer", "read")
+    __slots__ = ("cache", "keys", "layer", "read", "values")
 
-    def __init__(self, cache: StreamKVCache, layer: int, read: KVRead) -> None:
+    def __init__(self, cache: StreamKVCache, layer: int, read: KVRead, keys: Tensor, values: Tensor) -> None:
         self.cache, self.layer, self.read = cache, layer, read
+        self.keys, self.values = keys, values
 
 
-class StreamKVLayer(CacheLayerMixin):
-    """One decoder layer of a :class:`StreamKVCache` (transformers' per-layer interface).
-
-    ``keys``/``values`` are the layer's physical buffers ``[B, H_kv, sink + window, D]``
-    (views of the streamkv storage; slots in ring/policy order, not chronological). The
-    layer holds no state of its own: ``update`` goes to the owning cache."""
-
-    is_sliding = False
-    is_croppable = False
-    is_compileable = False  # see StreamKVCache.is_compileable
-
-    def __init__(self, owner: StreamKVCache, index: int) -> None:
-        super().__init__()
-        kv = owner.kv
-        self.owner, self.index = owner, index
-        self.keys, self.values = kv.keys(index), kv.values(index)
-        self.device = kv.device
-        self.batch_size, self.num_heads, _, self.k_head_dim = kv.k_shape
-        self.v_head_dim = kv.v_shape[-1]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Allocated at construction; raises ``ValueError`` if ``key_states`` do not fit."""
-        self.owner.check_states(key_states, value_states, self.index)
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        return self.owner.update(key_states, value_states, self.index, *args, **kwargs)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.get_mask_sizes(query_length, self.index)
-
-    def get_seq_length(self) -> int:
-        return self.owner.get_seq_length(self.index)
-
-    def get_max_length(self) -> int:
-        """Slots per head (``sink + window``): what the layer holds, not a limit on the stream."""
-        return self.owner.kv.layout.capacity
-
-    def reset(self) -> None:
-        """Resets the whole cache: the layers share one stream."""
-        self.owner.reset()
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self.owner.reorder_cache(beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.owner.crop(tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.owner.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.owner.batch_select_indices(indices)
-
-    def offload(self) -> None:
-        raise RuntimeError(_refusal("offloading", "the streamkv buffers stay on their device (fixed addresses)"))
-
-    def prefetch(self) -> None:
-        self.offload()
-
-    def __repr__(self) -> str:
-        return f"StreamKVLayer({self.owner.kv.name}, layer={self.index})"
+_EAGER_ONLY = ("this cache has observers (a Certifier: certificates and recall run on the host between the write and "
+               "the attention) or stores K/V token-major; it runs eagerly only")
 
 
-def _refusal(what: str, why: str) -> str:
-    return f"StreamKVCache does not support {what}: {why}"
+@torch.compiler.disable
+def _refuse_compiled() -> None:
+    """Raise the refusal of a compiled forward. Never traced: dynamo breaks the graph here and
+    the compiled forward raises when it reaches layer 0's update (before any write); with
+    ``fullgraph=True`` the trace itself fails."""
+    raise RuntimeError(refusal("torch.compile", _EAGER_ONLY))
 
 
 class StreamKVCache(Cache):
     """A transformers ``Cache`` over a streamkv cache, for ``generate()`` and forward loops.
 
     Args:
-        kv: the streamkv cache: ``k_shape == (B, H_kv, sink + window, D)``, ``seq_dim=2``,
-            heads at dim 1, ``num_layers`` = the model's decoder layers, no recall slots.
-            Its ``chunk`` is the largest forward (prefill chunk) accepted.
+        kv: the streamkv cache, ``num_layers`` = the model's decoder layers, in one of two
+            layouts: ``k_shape == (B, H_kv, sink + window, D)``, ``seq_dim=2``, heads at dim 1
+            (transformers' own; no recall slots), or token-major ``(B, sink + window, H_kv,
+            D)``, ``seq_dim=1``, heads at dim 2 (the certifier's; recall slots allowed): its
+            K/V are written, and its queries handed over, as transposed views. Its ``chunk``
+            is the largest forward (prefill chunk) accepted. Observers of ``kv`` (a
+            :class:`~streamkv.certify.Certifier`, a ``HistoryCheck``) receive each layer's
+            queries (``kv.observe_queries``) between its write and its attention; a cache
+            with observers, or token-major, runs eagerly only (``torch.compile`` refused).
         config: optional, the model's (text) config: ``get_mask_sizes`` then refuses a model
             whose config names another attention implementation before any layer runs
             (without it, a foreign attention is caught at the next layer's update).
@@ -156,7 +115,11 @@ class StreamKVCache(Cache):
             :class:`~streamkv.caches.KVRead` it attended to (physical ``keys``/``values``,
             slot ``positions``, ``query_positions``) and the output ``out`` ``[B, T, H_q, D]``
             (before ``o_proj``): per-layer outputs and attention for evaluations. It must not
-            modify them. Traced along under ``torch.compile``.
+            modify them. Traced along under ``torch.compile``. ``read`` is in ``kv``'s
+            layout (``read.seq_dim``: 2, or 1 for a token-major cache).
+        certifier: optional, the :class:`~streamkv.certify.Certifier` watching ``kv``
+            (``causal=True``; :func:`~streamkv.integrations.transformers.build_cache` makes
+            it with ``certify=``), kept as ``self.certifier`` (None: none).
 
     Mutation: every forward writes the span's K/V in place (buffers never move); state lives
     in ``kv`` and three host counters here. Use under ``torch.no_grad()`` /
@@ -164,21 +127,32 @@ class StreamKVCache(Cache):
     """
 
     def __init__(self, kv: KVCache, *, config: Any = None,
-                 on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None) -> None:
+                 on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None,
+                 certifier: Certifier | None = None) -> None:
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a streamkv KVCache, got {type(kv).__name__}")
-        if len(kv.k_shape) != 4 or kv.seq_dim != 2 or kv.head_dim != 1:
+        layout = (kv.seq_dim, kv.head_dim)
+        if len(kv.k_shape) != 4 or layout not in ((2, 1), (1, 2)):
             raise ValueError(
-                f"kv must have transformers' layout k_shape (B, H_kv, slots, D) with seq_dim=2 and head_dim=1, got "
-                f"k_shape={kv.k_shape}, seq_dim={kv.seq_dim}, head_dim={kv.head_dim}"
+                f"kv must have transformers' layout k_shape (B, H_kv, slots, D) with seq_dim=2 and head_dim=1, or the "
+                f"token-major (B, slots, H_kv, D) with seq_dim=1 and head_dim=2, got k_shape={kv.k_shape}, "
+                f"seq_dim={kv.seq_dim}, head_dim={kv.head_dim}"
             )
-        if kv.storage.recall_slots:
-            raise ValueError(f"kv must have no recall slots (an observer's tokens), got {kv.storage.recall_slots}")
+        if kv.storage.recall_slots and layout != (1, 2):
+            raise ValueError(f"kv must have no recall slots (an observer's tokens) in transformers' layout, got "
+                             f"{kv.storage.recall_slots}: recall slots need the token-major layout (the certifier's)")
         if on_attention is not None and not callable(on_attention):
             raise TypeError(f"on_attention must be callable or None, got {type(on_attention).__name__}")
+        if certifier is not None and (not isinstance(certifier, Certifier) or certifier.cache is not kv):
+            raise ValueError(f"certifier must be a Certifier watching kv, got {certifier!r}")
+        if certifier is not None and not certifier.causal:
+            raise ValueError("certifier must be built with causal=True (the streamkv attention is position-causal)")
         self.kv = kv
         self.config = config
         self.on_attention = on_attention
+        self.certifier = certifier
+        #: K/V stored ``[B, slots, H_kv, D]`` (written and read through transposed views)
+        self.token_major = layout == (1, 2)
         self._written = 0  # layers written in the open span
         self._attended = 0  # layers attended by streamkv_attention in the open span
         self._prepared = False  # prepare_step opened the span of the next forward
@@ -189,6 +163,12 @@ class StreamKVCache(Cache):
     def num_layers(self) -> int:
         return self.kv.num_layers
 
+    @property
+    def eager_only(self) -> bool:
+        """The cache has observers (they run on the host) or is token-major: ``torch.compile``
+        and ``prepare_step`` are refused."""
+        return self.token_major or bool(self.kv.observers)
+
     def prepare_step(self, n: int) -> None:
         """Commit the open span and open the next ``n`` positions *before* a forward, outside
         a compiled region (host side: Python ints, a few device ops, a sync for scored
@@ -196,10 +176,12 @@ class StreamKVCache(Cache):
         decode step reads no changing host state. Without it, layer 0's update does this.
 
         Raises:
-            RuntimeError: the previous forward did not complete (see :meth:`update`), or a
-                step is already prepared.
+            RuntimeError: the previous forward did not complete (see :meth:`update`), a step
+                is already prepared, or the cache runs eagerly only (:attr:`eager_only`).
             ValueError: ``n`` not in ``[1, chunk]``.
         """
+        if self.eager_only:
+            raise RuntimeError(refusal("prepare_step (compiled steps)", _EAGER_ONLY))
         if self._prepared:
             raise RuntimeError("prepare_step was already called and no forward ran since")
         self._advance(n, None)
@@ -245,19 +227,23 @@ class StreamKVCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Write one layer's K/V of the forward (``[B, H_kv, n, D]``, RoPE applied) and return
-        the layer's physical buffers ``[B, H_kv, sink + window, D]``; the read that says how to
-        attend to them goes to the attention function in ``kwargs["kwargs"]["streamkv"]``.
+        the layer's physical buffers ``[B, H_kv, slots, D]`` (transposed views for a token-major
+        cache); the read that says how to attend to them goes to the attention function in
+        ``kwargs["kwargs"]["streamkv"]``.
 
         Raises:
             RuntimeError: layers out of order; a layer whose attention did not run through
                 the streamkv attention function; a model that does not pass its attention
-                kwargs to ``cache.update`` (``kwargs=``).
+                kwargs to ``cache.update`` (``kwargs=``); a compiled forward with a cache that
+                runs eagerly only (:attr:`eager_only`).
             ValueError / TypeError: K/V that do not fit the cache (batch, heads, dims, dtype,
                 device), ``n`` outside ``[1, chunk]``, position ids that are not the stream's,
                 attention kwargs the streamkv attention does not serve
                 (:func:`check_attention_kwargs`). All raised before layer 0 changes anything.
         """
         L = self.num_layers
+        if torch.compiler.is_compiling() and self.eager_only:
+            _refuse_compiled()  # a graph break that raises when the compiled forward runs
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
             raise RuntimeError(  # noqa: TRY004 - a model that does not pass its kwargs, not a bad value
@@ -275,11 +261,17 @@ class StreamKVCache(Cache):
                 f"{layer_idx}; call reset() and start the stream again"
             )
         self._check_attended()
+        if self.token_major:
+            key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
         read = self.kv.update(key_states, value_states, layer=layer_idx, occupancy="mask")
-        attn_kwargs[KWARG] = Handoff(self, layer_idx, read)
+        if self.token_major:
+            keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
+        else:
+            keys, values = read.keys, read.values
+        attn_kwargs[KWARG] = Handoff(self, layer_idx, read, keys, values)
         self._prepared = False
         self._written += 1
-        return read.keys, read.values
+        return keys, values
 
     def _check_attended(self) -> None:
         """Every layer written in the open span was attended by the streamkv attention function."""
@@ -289,6 +281,24 @@ class StreamKVCache(Cache):
                 f"function (the model uses another attn_implementation, or the forward stopped in between): load the "
                 f"model with attn_implementation='streamkv', and call reset() to start the stream again"
             )
+
+    def queries(self, layer: int, query: Tensor, scaling: float | None) -> Tensor:
+        """``query`` (``[B, H_q, T, D]``) in the cache's chunk layout (a view: transposed for a
+        token-major cache), handed to the cache's observers first when it has any
+        (``kv.observe_queries``: certified recall fills the recall slots here, which the
+        layer's read sees). Called by the attention function before it attends.
+
+        Raises:
+            ValueError: a :class:`~streamkv.certify.Certifier` watching the cache certifies
+                another attention than the model's (not causal, or another softmax scale than
+                ``scaling``): raised before the observers run (the layer is written: the open
+                span is then incomplete and the cache refuses forwards until ``reset()``).
+        """
+        q = query.transpose(1, 2) if self.token_major else query
+        if self.kv.observers:
+            check_certifiers(self.kv, scaling)
+            self.kv.observe_queries(q, layer=layer)
+        return q
 
     def attended(self, layer: int, query: Tensor, read: KVRead, out: Tensor) -> None:
         """Called by the attention function once layer ``layer`` attended (``out``:
@@ -302,12 +312,13 @@ class StreamKVCache(Cache):
         (shape, dtype, device): checked before layer 0 opens the span, so a refused forward
         changes nothing."""
         kv = self.kv
-        for name, t, shape in (("key", key_states, kv.k_shape), ("value", value_states, kv.v_shape)):
+        batch, heads = kv.k_shape[0], kv.k_shape[kv.head_dim]  # either layout
+        for name, t, dim in (("key", key_states, kv.k_shape[-1]), ("value", value_states, kv.v_shape[-1])):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name}_states must be a Tensor, got {type(t).__name__}")
-            if t.dim() != 4 or t.shape[:2] != shape[:2] or t.shape[-1] != shape[-1]:
+            if t.dim() != 4 or t.shape[:2] != (batch, heads) or t.shape[-1] != dim:
                 raise ValueError(
-                    f"layer {layer} {name}_states must be [batch={shape[0]}, kv_heads={shape[1]}, n, {shape[-1]}] "
+                    f"layer {layer} {name}_states must be [batch={batch}, kv_heads={heads}, n, {dim}] "
                     f"(the cache was built for that batch and model), got {tuple(t.shape)}"
                 )
             if t.dtype != kv.dtype:
@@ -360,17 +371,17 @@ class StreamKVCache(Cache):
     # ------------------------------------------------------------------ refused
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise RuntimeError(
-            _refusal("beam search (reorder_cache)", "one stream per batch row; use greedy or sampling"))
+            refusal("beam search (reorder_cache)", "one stream per batch row; use greedy or sampling"))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise RuntimeError(_refusal(
+        raise RuntimeError(refusal(
             "crop (assisted/speculative decoding, rollback)", "evicted tokens cannot be restored"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise RuntimeError(_refusal("batch expansion", f"the buffers are allocated for batch {self.kv.k_shape[0]}"))
+        raise RuntimeError(refusal("batch expansion", f"the buffers are allocated for batch {self.kv.k_shape[0]}"))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        raise RuntimeError(_refusal("batch selection", f"the buffers are allocated for batch {self.kv.k_shape[0]}"))
+        raise RuntimeError(refusal("batch selection", f"the buffers are allocated for batch {self.kv.k_shape[0]}"))
 
     def early_initialization(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: the buffers are allocated at construction."""

@@ -55,7 +55,7 @@ QUICK = {"tokens": 2048, "segment": 1024, "chunks": (64,), "memory": (256,), "de
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from streamkv.lab.experiments.lm_eval import LMEvalConfig
+    from streamkv.lab.experiments.lm_config import LMEvalConfig
 
     d = LMEvalConfig()
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -104,7 +104,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def config(args: argparse.Namespace):
     """The :class:`LMEvalConfig` of the options (``--quick`` fills what was not given)."""
-    from streamkv.lab.experiments.lm_eval import LMEvalConfig
+    from streamkv.lab.experiments.lm_config import LMEvalConfig
 
     d = LMEvalConfig()
     preset = QUICK if args.quick else {}
@@ -121,6 +121,7 @@ def payload(result: dict, model_info: dict, text_info: dict, command: str, wall_
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import shlex
     import sys
     import time
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 170))
-    logging.disable_progress_bar()  # the GGUF conversion's bars
+    logging.disable_progress_bar()  # transformers' bars
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF conversion's tqdm bars
     model, tok = load_smollm2()
     cfg.check(model.config.max_position_embeddings)
     ids = text_tokens(tok, moby_dick(), args.offset + cfg.tokens)[:, args.offset:]

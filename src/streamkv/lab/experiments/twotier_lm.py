@@ -1,0 +1,184 @@
+"""The two-tier cache on a real model end to end: SmolLM2's perplexity with every layer on the
+cache, against the full cache, the ring and TOVA at matched device memory.
+
+The text: the first ``tokens`` tokens of Moby-Dick (:mod:`streamkv.lab.texts`), tokenised by
+SmolLM2's tokenizer (:mod:`streamkv.lab.smollm2`), one stream from position 0 fed in prefill
+chunks of ``chunk`` tokens through ``model(input_ids=..., cache=...)`` with
+``attn_implementation="streamkv"`` (:mod:`streamkv.integrations.transformers`). The perplexity
+is computed as :mod:`.lm_eval` computes it: ``exp`` of the mean next-token cross-entropy over
+every prediction of the stream (``tokens - 1`` of them; :func:`.lm_stream.stream_losses`).
+
+Caches (:func:`run_twotier_lm`):
+
+``two_tier``     a device budget (``policy`` with ``sink + window`` slots per layer and key head)
+                 + 8-bit key sketches of every evicted token + ``recall_slots`` recall slots
+                 filled from the host store until every query's certificate is ``<= tau``
+                 (``build_cache(..., recall_slots=, certify=)``); optionally every certificate
+                 checked against the float64 whole history (:class:`~streamkv.certify.HistoryCheck`)
+``full``         a ring that holds the whole stream (nothing evicted: the reference)
+``ring``/``tova`` at the two-tier cache's device bytes, in token-equivalents
+``budget_only``  the two-tier cache's budget alone (no sketch, no recall): what recall adds
+
+Device bytes of the two-tier cache: its K/V buffers (budget and recall slots), its policy's
+state, and the peak of its key sketches (``sum(s.nbytes for s in certifier.summaries)`` after
+each forward, as :mod:`.twotier` counts them). A *token-equivalent* is one position's K and V
+in every layer and key head; the ring's and TOVA's ``memory_tokens`` (``sink + window``) is the
+two-tier device bytes in token-equivalents, rounded. The evicted K/V the two-tier cache keeps on
+the host are not device memory (reported as ``host_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .lm_stream import stream_losses
+
+__all__ = ["TwoTierLMConfig", "run_twotier_lm"]
+
+
+@dataclass(frozen=True)
+class TwoTierLMConfig:
+    """What :func:`run_twotier_lm` runs (recorded with the result)."""
+
+    tokens: int = 1024
+    chunk: int = 16  # prefill chunk (every forward)
+    policy: str = "tova"  # the two-tier budget's policy
+    sink: int = 4
+    window: int = 124  # the budget besides the sinks
+    recall_slots: int = 128
+    tau: float = 0.05
+    sketch_bits: int = 8
+    block_tokens: int = 32
+    history_check: bool = True  # float64 whole-history check of every certificate
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting that cannot run."""
+        if self.chunk < 1 or self.tokens < 2 * self.chunk:
+            raise ValueError(f"need chunk >= 1 and tokens >= 2 * chunk, got tokens={self.tokens} chunk={self.chunk}")
+        if not self.sink + 2 * self.chunk <= self.sink + self.window < self.tokens:
+            raise ValueError(f"the budget sink + window = {self.sink + self.window} must hold two chunks beyond the "
+                             f"sinks and be < tokens ({self.tokens})")
+        if self.recall_slots < 1 or not 0 < self.tau < 1:
+            raise ValueError(f"need recall_slots >= 1 and 0 < tau < 1, got {self.recall_slots}, {self.tau}")
+
+
+def _token_bytes(cache: Any) -> int:
+    """Device bytes of one position's K and V in every layer and key head (the cache's dtype)."""
+    kv = cache.kv
+    heads = kv.k_shape[kv.head_dim]
+    return kv.num_layers * kv.k_shape[0] * heads * (kv.k_shape[-1] + kv.v_shape[-1]) * kv.storage.keys.element_size()
+
+
+def _policy_bytes(cache: Any) -> int:
+    return sum(t.nbytes for t in cache.kv.policy.state().values())
+
+
+def _perplexity(losses: Tensor, start: int = 0) -> float:
+    sel = losses[start:]
+    if torch.isnan(sel).any():
+        raise RuntimeError("a prediction was not made (NaN loss)")
+    return math.exp(float(sel.mean()))
+
+
+def _stream(model: Any, ids: Tensor, cache: Any, chunk: int, after: Callable[[], None] | None = None,
+            progress: Callable[[int], None] | None = None) -> tuple[Tensor, float]:
+    """Per-position losses ``[T - 1]`` float64 of one stream through ``cache``, and seconds."""
+    losses = torch.full((ids.shape[1] - 1,), math.nan, dtype=torch.float64)
+
+    def tick(n: int) -> None:
+        if after is not None:
+            after()
+        if progress is not None:
+            progress(n)
+
+    t0 = time.perf_counter()
+    stream_losses(model, ids, losses, span=chunk, forward_kwargs={"cache": cache}, progress=tick)
+    return losses, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def run_twotier_lm(cfg: TwoTierLMConfig | None = None, *, model: Any = None, ids: Tensor | None = None,
+                   progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Every cache of the module docstring on one stream; ``model``/``ids`` default to SmolLM2 and
+    the first ``cfg.tokens`` tokens of Moby-Dick. The model's attention implementation is
+    switched to ``"streamkv"`` and restored. ``progress(cache, tokens_done)`` after each forward.
+
+    Returns ``{config, tokens, token_bytes, matched_memory_tokens, budget_tokens, caches}``; per
+    cache ``{memory_tokens, device_bytes, perplexity, perplexity_past_budget, seconds}``
+    (``perplexity_past_budget``: over the predictions at positions ``>= sink + window``, the
+    same for every cache), the two-tier cache adding ``kv_bytes``, ``recall_slot_bytes``,
+    ``policy_state_bytes``, ``sketch_bytes`` (peak), ``host_bytes``, ``recalled_tokens``,
+    ``shortfalls``, ``recall_steps`` and, with ``history_check``, ``violations``,
+    ``count_mismatch``, ``over_tau``, ``queries_checked``.
+    """
+    import streamkv.integrations.transformers as skv
+    from streamkv.certify import HistoryCheck
+
+    cfg = cfg or TwoTierLMConfig()
+    cfg.check()
+    if model is None or ids is None:
+        from streamkv.lab.smollm2 import load_smollm2, text_tokens
+        from streamkv.lab.texts import moby_dick
+
+        loaded, tok = load_smollm2()
+        model = loaded if model is None else model
+        ids = text_tokens(tok, moby_dick(), cfg.tokens) if ids is None else ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < cfg.tokens:
+        raise ValueError(f"ids must be [1, >= {cfg.tokens}], got {tuple(ids.shape)}")
+    ids = ids[:, : cfg.tokens]
+    mcfg, T, C, budget = model.config, cfg.tokens, cfg.chunk, cfg.sink + cfg.window
+    tick = (lambda name: (lambda n: progress(name, n))) if progress else (lambda name: None)
+
+    def build(kind: str, memory: int, sink: int, **extra: Any) -> Any:
+        return skv.build_cache(mcfg, kind, memory_tokens=memory, sink=sink, chunk=C, dtype=model.dtype, **extra)
+
+    def entry(cache: Any, losses: Tensor, seconds: float, memory: int) -> dict[str, Any]:
+        return {"memory_tokens": memory, "device_bytes": cache.kv.nbytes + _policy_bytes(cache),
+                "perplexity": _perplexity(losses), "perplexity_past_budget": _perplexity(losses, budget),
+                "seconds": seconds}
+
+    before = mcfg._attn_implementation
+    caches: dict[str, dict[str, Any]] = {}
+    try:
+        model.set_attn_implementation(skv.ATTN_IMPLEMENTATION)
+        tt = build(cfg.policy, budget, cfg.sink, recall_slots=cfg.recall_slots,
+                   certify={"recall_tau": cfg.tau, "sketch_bits": cfg.sketch_bits, "block_tokens": cfg.block_tokens})
+        cert = tt.certifier
+        check = HistoryCheck(cert, tau=cfg.tau) if cfg.history_check else None
+        peak = [0]
+
+        def sample_sketch() -> None:
+            peak[0] = max(peak[0], sum(s.nbytes for s in cert.summaries))
+
+        losses, seconds = _stream(model, ids, tt, C, after=sample_sketch, progress=tick("two_tier"))
+        per_token = _token_bytes(tt)
+        policy_bytes = _policy_bytes(tt)
+        recall_bytes = tt.kv.nbytes * cfg.recall_slots // (budget + cfg.recall_slots)
+        device = tt.kv.nbytes + policy_bytes + peak[0]
+        matched = round(device / per_token)
+        two = {**entry(tt, losses, seconds, budget), "device_bytes": device, "kv_bytes": tt.kv.nbytes,
+               "recall_slot_bytes": recall_bytes, "policy_state_bytes": policy_bytes, "sketch_bytes": peak[0],
+               "host_bytes": cert.store.nbytes, "recalled_tokens": cert.stats["recalled_tokens"],
+               "shortfalls": cert.stats["shortfalls"], "recall_steps": cert.stats["steps"]}
+        if check is not None:
+            r = check.result()
+            two.update(violations=r["violations"], count_mismatch=r["count_mismatch"], over_tau=r.get("over_tau"),
+                       queries_checked=r["queries_checked"])
+        caches["two_tier"] = two
+        runs = (("full", "ring", T, 0), ("ring", "ring", matched, cfg.sink), ("tova", "tova", matched, cfg.sink),
+                ("budget_only", cfg.policy, budget, cfg.sink))
+        for name, kind, memory, sink in runs:
+            cache = build(kind, memory, sink)
+            losses, seconds = _stream(model, ids, cache, C, progress=tick(name))
+            caches[name] = entry(cache, losses, seconds, memory)
+    finally:
+        model.set_attn_implementation(before)
+    return {"config": asdict(cfg), "tokens": T, "token_bytes": per_token, "matched_memory_tokens": matched,
+            "budget_tokens": budget, "caches": caches}
