@@ -24,6 +24,8 @@ def test_cpu_sections_of_the_gpu_script_run():
     assert out["ring_transient_bytes"] == 0 and out["median_ms"]["ring"] > 0
     lat = mod.bench_rollout(cpu, quick=True, full_model=False)
     assert set(lat["rows"]) == {"chronological/eager", "ring/eager"}
+    tt = mod.check_two_tier(cpu, quick=True)
+    assert tt["caches"]["two_tier"]["violations"] == 0
     statuses = {name: status for name, status, _ in mod.RESULTS}
     assert statuses["graph replay of ring writes"] == "SKIP"
     assert "FAIL" not in statuses.values()

@@ -106,7 +106,7 @@ def _full_attention(stream: Stream, layer: int) -> tuple[Tensor, Tensor]:
     k = k.repeat_interleave(Hq // H, dim=1)
     v = v.repeat_interleave(Hq // H, dim=1)
     T = k.shape[2]
-    qi, kj = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
+    qi, kj = torch.arange(T, device=q.device).view(-1, 1), torch.arange(T, device=q.device).view(1, -1)
     hide = kj > qi if stream.causal else (kj // stream.chunk) > (qi // stream.chunk)
     s = (q @ k.transpose(-1, -2)) * stream.scale
     out = s.masked_fill(hide, -math.inf).softmax(-1) @ v
@@ -160,7 +160,7 @@ def _run_cache(stream: Stream, kind: str, *, sink: int, window: int, recall_slot
     C, T = stream.chunk, stream.tokens
     cache = KVCache((B, sink + window, H, D), (B, sink + window, H, Dv), policy=kind, seq_dim=1, sink=sink,
                     window=window, chunk=C, num_layers=stream.layers, recall_slots=recall_slots,
-                    dtype=stream.k[0].dtype, **policy_params)
+                    dtype=stream.k[0].dtype, device=stream.k[0].device, **policy_params)
     cert = check = None
     if certifier is not None:
         cert = Certifier(cache, causal=stream.causal, scale=stream.scale, **certifier)
@@ -168,6 +168,8 @@ def _run_cache(stream: Stream, kind: str, *, sink: int, window: int, recall_slot
     errs, rels = [], []
     outs = [torch.empty_like(f) for f in fulls]
     sketch_peak = 0
+    sync = torch.cuda.synchronize if stream.k[0].is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for c in range(T // C):
         sl = slice(c * C, (c + 1) * C)
@@ -179,6 +181,7 @@ def _run_cache(stream: Stream, kind: str, *, sink: int, window: int, recall_slot
         cache.commit()
         if cert is not None:
             sketch_peak = max(sketch_peak, sum(s.nbytes for s in cert.summaries))
+    sync()
     seconds = time.perf_counter() - t0 - (check.seconds if check is not None else 0.0)  # the cache, not the check
     for layer in range(stream.layers):
         e, r = _errors(outs[layer], fulls[layer], vranges[layer])
@@ -217,7 +220,7 @@ def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: 
         q, k = stream.q[layer].double().transpose(1, 2), stream.k[layer].double().transpose(1, 2)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         T = k.shape[2]
-        qi, kj = torch.arange(T).view(-1, 1), torch.arange(T).view(1, -1)
+        qi, kj = torch.arange(T, device=q.device).view(-1, 1), torch.arange(T, device=q.device).view(1, -1)
         hide = kj > qi if stream.causal else (kj // stream.chunk) > (qi // stream.chunk)
         probs.append(((q @ k.transpose(-1, -2)) * stream.scale).masked_fill(hide, -math.inf).softmax(-1))
     recent = stream.chunk
@@ -227,7 +230,7 @@ def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: 
         pol = PerQueryMass(tau, protect_sinks=sink, protect_recent=recent)
         for layer, p in enumerate(probs):
             T = p.shape[-1]
-            keep = pol.keep(p, torch.arange(T))
+            keep = pol.keep(p, torch.arange(T, device=p.device))
             keep &= p > 0 if stream.causal else keep  # future keys (weight 0) are not memory
             w = p * keep
             v = stream.v[layer].double().transpose(1, 2).repeat_interleave(p.shape[1] // stream.v[layer].shape[2], dim=1)
