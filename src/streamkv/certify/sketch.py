@@ -17,10 +17,13 @@ So the sketch gives every evicted token a box ``[k_hat - e, k_hat + e]``: the ce
 8-bit codes over blocks of 32 tokens that slack is a small fraction of a nat on real keys,
 where a box over a block of 24 keys is several.
 
-Memory (device): ``bits/8 x D`` bytes per token for the codes, ``12 x D`` bytes per block of
-``block_tokens`` tokens for zero / step / error (per batch element), 5 bytes per token of
-bookkeeping (live flag, block index), the pending exact keys, and the evicted value box. The
-full-precision evicted K/V live on the host (recall reads them from there).
+Memory (device, counted as allocated): ``bits/8 x D`` bytes per token for the codes, ``12 x D``
+bytes per block of ``block_tokens`` tokens for zero / step / error (per batch element), one byte
+per token for the live flag, one block of exact float32 keys being filled (``4 x D x
+block_tokens`` per head), and the evicted value box; the allocation grows a block at a time. A
+token's block is its index divided by ``block_tokens`` (blocks fill in eviction order), so no
+per-token block index is stored. The full-precision evicted K/V live on the host (recall reads
+them from there).
 
 The interface is that of :class:`~streamkv.certify.summary.BlockSummaries` where the
 :class:`~streamkv.certify.Certifier` uses it; a "block" of this class is one token of one head.
@@ -64,21 +67,19 @@ class KeySketch:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         B, H, D, dev = self.B, self.H, self.D, self.device
-        self._cap = 0
         self.nb = 0  # token slots per head (the longest head's count)
         self.n = [0] * H  # tokens per head
-        self.quantized = [0] * H  # of which quantized (the rest are pending, exact)
-        self.blocks = [0] * H  # quantization blocks per head
+        self.quantized = [0] * H  # of which quantized (the rest, fewer than block_tokens, are pending)
         self._codes = torch.zeros((B, H, 0, self._code_width()), dtype=torch.uint8, device=dev)
-        self._exact = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)  # pending tokens only
-        self._tok_block = torch.full((H, 0), -1, dtype=torch.int32, device=dev)
         self._live = torch.zeros((H, 0), dtype=torch.bool, device=dev)
+        # per block and channel: zero, step, error; block b of a head is its tokens [b * bt, (b + 1) * bt)
         self._zero = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
         self._step = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
         self._err = torch.zeros((B, H, 0, D), dtype=torch.float32, device=dev)
+        self._pending = torch.zeros((B, H, self.block_tokens, D), dtype=torch.float32, device=dev)  # exact, unfilled block
         self.vlo = torch.full((B, H, self.Dv), math.inf, dtype=self.value_dtype, device=dev)
         self.vhi = torch.full((B, H, self.Dv), -math.inf, dtype=self.value_dtype, device=dev)
-        self.peak_bytes = 0
+        self.peak_bytes = self.nbytes
         # host bookkeeping for recall: per (head, token) the store's (event id, label)
         self._origin: list[list[tuple[int, int]]] = [[] for _ in range(H)]
 
@@ -86,10 +87,14 @@ class KeySketch:
         return self.D if self.bits == 8 else self.D // 2
 
     def _grow(self, need: int) -> None:
-        if need <= self._cap:
+        """Room for ``need`` tokens per head, in steps of one block (the allocation is what
+        :attr:`nbytes` counts, so it grows no further than the stream needs)."""
+        cap = self._codes.shape[2]
+        if need <= cap:
             return
-        cap = max(need, 2 * self._cap, 64)
-        nb_cap = -(-cap // self.block_tokens) + self.H
+        bt = self.block_tokens
+        cap = -(-need // bt) * bt
+        blocks = cap // bt
 
         def grown(t: Tensor, dim: int, size: int, fill) -> Tensor:
             shape = list(t.shape)
@@ -99,12 +104,9 @@ class KeySketch:
             return out
 
         self._codes = grown(self._codes, 2, cap, 0)
-        self._exact = grown(self._exact, 2, cap, 0.0)
-        self._tok_block = grown(self._tok_block, 1, cap, -1)
         self._live = grown(self._live, 1, cap, False)
         for name in ("_zero", "_step", "_err"):
-            setattr(self, name, grown(getattr(self, name), 2, max(nb_cap, getattr(self, name).shape[2]), 0.0))
-        self._cap = cap
+            setattr(self, name, grown(getattr(self, name), 2, blocks, 0.0))
 
     # ------------------------------------------------------------- adding
     def add(self, event_id: int, keys: Tensor, values: Tensor, mask: Tensor, **_: object) -> Tensor:
@@ -112,7 +114,7 @@ class KeySketch:
         (which rows each head evicts). Returns ``[H, n]`` int64 labels: row ``i`` of head ``h`` is that
         head's ``label``-th evicted row of the event (the store's recall key). One host read of the
         mask (the per-head counts)."""
-        H = self.H
+        H, bt = self.H, self.block_tokens
         counts = mask.sum(-1).tolist()
         labels = (mask.long().cumsum(-1) - 1).clamp(min=0)
         self._grow(max(self.n[h] + counts[h] for h in range(H)))
@@ -121,13 +123,18 @@ class KeySketch:
             if not m:
                 continue
             rows = mask[h].nonzero().flatten()
-            start = self.n[h]
-            self._exact[:, h, start : start + m] = keys[:, h].index_select(1, rows).float()
-            self._live[h, start : start + m] = True
+            kh = keys[:, h].index_select(1, rows).float()  # [B, m, D]
+            self._live[h, self.n[h] : self.n[h] + m] = True
             self._origin[h] += [(event_id, j) for j in range(m)]
-            self.n[h] += m
-            while self.n[h] - self.quantized[h] >= self.block_tokens:
-                self._quantize(h, self.block_tokens)
+            at = 0
+            while at < m:  # fill the pending block; quantize it when full
+                p = self.n[h] - self.quantized[h]
+                take = min(bt - p, m - at)
+                self._pending[:, h, p : p + take] = kh[:, at : at + take]
+                self.n[h] += take
+                at += take
+                if self.n[h] - self.quantized[h] == bt:
+                    self._quantize(h)
         vpos = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
         m4 = mask.unsqueeze(0).unsqueeze(-1)
         self.vlo = torch.minimum(self.vlo, torch.where(m4, values, vpos).amin(dim=-2).to(self.value_dtype))
@@ -136,10 +143,10 @@ class KeySketch:
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return labels
 
-    def _quantize(self, h: int, m: int) -> None:
-        """Quantize head ``h``'s next ``m`` pending tokens as one block."""
-        s0 = self.quantized[h]
-        k = self._exact[:, h, s0 : s0 + m].double()  # [B, m, D]
+    def _quantize(self, h: int) -> None:
+        """Quantize head ``h``'s full pending block."""
+        s0, m = self.quantized[h], self.block_tokens
+        k = self._pending[:, h].double()  # [B, m, D]
         lo, hi = k.amin(1), k.amax(1)  # [B, D]
         levels = 2**self.bits - 1
         zero = lo.float()
@@ -149,34 +156,32 @@ class KeySketch:
         k_hat = z64 + codes * s64  # what the certificate will compute, in the same float64 ops
         err = (k - k_hat).abs().amax(1)  # [B, D]
         err32 = torch.nextafter(err.float(), torch.tensor(math.inf))  # rounded up: never below the truth
-        b = self.blocks[h]
+        b = s0 // m
         self._zero[:, h, b], self._step[:, h, b], self._err[:, h, b] = zero, step, err32
         c8 = codes.to(torch.uint8)
         if self.bits == 4:
             c8 = c8[..., 0::2] | (c8[..., 1::2] << 4)
         self._codes[:, h, s0 : s0 + m] = c8
-        self._tok_block[h, s0 : s0 + m] = b
-        self._exact[:, h, s0 : s0 + m] = 0.0  # the exact copy is dropped: the sketch holds the token
-        self.blocks[h] += 1
+        self._pending[:, h].zero_()
         self.quantized[h] += m
 
     # ------------------------------------------------------------ reading
     def _boxes(self) -> tuple[Tensor, Tensor]:
         """``(k_hat, e)`` float64 ``[B, H, nb, D]`` for every token slot (pending tokens exact)."""
-        nb = self.nb
+        nb, bt, dev = self.nb, self.block_tokens, self.device
         codes = self._codes[:, :, :nb]
         if self.bits == 4:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-        blk = self._tok_block[:, :nb].clamp(min=0).long()  # [H, nb]
-        idx = blk.unsqueeze(0).unsqueeze(-1).expand(self.B, -1, -1, self.D)
-        z = self._zero.gather(2, idx).double()
-        s = self._step.gather(2, idx).double()
+        i = torch.arange(nb, device=dev)
+        blk = (i // bt).clamp(max=max(self._zero.shape[2] - 1, 0))
+        idx = blk.view(1, 1, nb, 1).expand(self.B, self.H, nb, self.D)
+        k_hat = self._zero.gather(2, idx).double() + codes.double() * self._step.gather(2, idx).double()
         e = self._err.gather(2, idx).double()
-        k_hat = z + codes.double() * s
-        pending = (self._tok_block[:, :nb] < 0).unsqueeze(0).unsqueeze(-1)
-        k_hat = torch.where(pending, self._exact[:, :, :nb].double(), k_hat)
-        e = torch.where(pending, 0.0, e)
-        return k_hat, e
+        q0 = torch.tensor(self.quantized, device=dev).view(-1, 1)  # [H, 1]
+        pending = (i.view(1, -1) >= q0).unsqueeze(0).unsqueeze(-1)  # [1, H, nb, 1]
+        pidx = (i.view(1, -1) - q0).clamp(0, bt - 1)  # [H, nb]
+        exact = self._pending.gather(2, pidx.view(1, self.H, nb, 1).expand(self.B, -1, -1, self.D)).double()
+        return torch.where(pending, exact, k_hat), torch.where(pending, 0.0, e)
 
     @property
     def lo(self) -> Tensor:
@@ -236,11 +241,7 @@ class KeySketch:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes in use: codes, per-block zero/step/error, per-token live flag and block
-        index, pending exact keys, the value box."""
-        codes = sum(self.n) * self.B * self._code_width()
-        blocks = sum(self.blocks) * self.B * self.D * 3 * 4
-        per_token = sum(self.n) * (1 + 4)
-        pending = sum(n - q for n, q in zip(self.n, self.quantized)) * self.B * self.D * 4
-        vbox = 2 * self.B * self.H * self.Dv * torch.empty((), dtype=self.value_dtype).element_size()
-        return codes + blocks + per_token + pending + vbox
+        """Device bytes allocated: codes, live flags, per-block zero/step/error, the pending
+        block's exact keys, the value box (the allocation grows a block at a time)."""
+        return sum(t.nbytes for t in (self._codes, self._live, self._zero, self._step, self._err, self._pending,
+                                      self.vlo, self.vhi))

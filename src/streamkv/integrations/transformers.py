@@ -60,9 +60,10 @@ and the recall slots (positions masked as above): what each query attends to is 
 certificate bounds. Such a cache stores K/V token-major (``[B, slots, H_kv, D]``, the
 certifier's layout; :mod:`.transformers_two_tier`) and hands transposed views across the
 boundary. Scope: the certificate bounds each layer's eviction error given that layer's inputs
-(:mod:`streamkv.certify`), not the drift of later layers' inputs. Eager only: a compiled
-forward (``prepare_step``, ``torch.compile(..., fullgraph=True)``) is refused; without
-``fullgraph`` dynamo runs the cache's update eagerly (a graph break). A certifier whose scale
+(:mod:`streamkv.certify`), not the drift of later layers' inputs. Eager only: ``prepare_step``
+is refused, and a ``torch.compile``'d forward raises ``RuntimeError`` at layer 0's update,
+before any write (a graph break that raises; with ``fullgraph=True`` the trace fails with the
+same message). A certifier whose scale
 or causality is not the model's attention is refused at the first attention (the forward has
 then written layer 0: ``reset()``). No state dicts (the core refuses them with recall slots).
 

@@ -86,7 +86,7 @@ _EAGER_ONLY = ("this cache has observers (a Certifier: certificates and recall r
                "the attention) or stores K/V token-major; it runs eagerly only")
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=refusal("torch.compile", _EAGER_ONLY))
 def _refuse_compiled() -> None:
     """Raise the refusal of a compiled forward. Never traced: dynamo breaks the graph here and
     the compiled forward raises when it reaches layer 0's update (before any write); with
@@ -143,8 +143,10 @@ class StreamKVCache(Cache):
                              f"{kv.storage.recall_slots}: recall slots need the token-major layout (the certifier's)")
         if on_attention is not None and not callable(on_attention):
             raise TypeError(f"on_attention must be callable or None, got {type(on_attention).__name__}")
-        if certifier is not None and (not isinstance(certifier, Certifier) or certifier.cache is not kv):
-            raise ValueError(f"certifier must be a Certifier watching kv, got {certifier!r}")
+        if certifier is not None and not isinstance(certifier, Certifier):
+            raise TypeError(f"certifier must be a streamkv Certifier or None, got {type(certifier).__name__}")
+        if certifier is not None and certifier.cache is not kv:
+            raise ValueError("certifier must be a Certifier watching kv; this one watches another cache")
         if certifier is not None and not certifier.causal:
             raise ValueError("certifier must be built with causal=True (the streamkv attention is position-causal)")
         self.kv = kv

@@ -105,10 +105,13 @@ def _stream(model: Any, ids: Tensor, cache: Any, chunk: int, after: Callable[[],
 
 @torch.no_grad()
 def run_twotier_lm(cfg: TwoTierLMConfig | None = None, *, model: Any = None, ids: Tensor | None = None,
-                   progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[str, int], None] | None = None, num_threads: int | None = 1) -> dict[str, Any]:
     """Every cache of the module docstring on one stream; ``model``/``ids`` default to SmolLM2 and
     the first ``cfg.tokens`` tokens of Moby-Dick. The model's attention implementation is
     switched to ``"streamkv"`` and restored. ``progress(cache, tokens_done)`` after each forward.
+    ``num_threads``: torch's intra-op threads during the run (:func:`streamkv.lab.env.threads`;
+    the certifier's many small float64 ops run ~20x slower with 2 threads on a loaded 2-core
+    machine than with 1), restored after.
 
     Returns ``{config, tokens, token_bytes, matched_memory_tokens, budget_tokens, caches}``; per
     cache ``{memory_tokens, device_bytes, perplexity, perplexity_past_budget, seconds}``
@@ -119,7 +122,7 @@ def run_twotier_lm(cfg: TwoTierLMConfig | None = None, *, model: Any = None, ids
     ``count_mismatch``, ``over_tau``, ``queries_checked``.
     """
     import streamkv.integrations.transformers as skv
-    from streamkv.certify import HistoryCheck
+    from streamkv.lab.env import threads
 
     cfg = cfg or TwoTierLMConfig()
     cfg.check()
@@ -139,46 +142,59 @@ def run_twotier_lm(cfg: TwoTierLMConfig | None = None, *, model: Any = None, ids
     def build(kind: str, memory: int, sink: int, **extra: Any) -> Any:
         return skv.build_cache(mcfg, kind, memory_tokens=memory, sink=sink, chunk=C, dtype=model.dtype, **extra)
 
-    def entry(cache: Any, losses: Tensor, seconds: float, memory: int) -> dict[str, Any]:
-        return {"memory_tokens": memory, "device_bytes": cache.kv.nbytes + _policy_bytes(cache),
-                "perplexity": _perplexity(losses), "perplexity_past_budget": _perplexity(losses, budget),
-                "seconds": seconds}
-
     before = mcfg._attn_implementation
     caches: dict[str, dict[str, Any]] = {}
-    try:
-        model.set_attn_implementation(skv.ATTN_IMPLEMENTATION)
-        tt = build(cfg.policy, budget, cfg.sink, recall_slots=cfg.recall_slots,
-                   certify={"recall_tau": cfg.tau, "sketch_bits": cfg.sketch_bits, "block_tokens": cfg.block_tokens})
-        cert = tt.certifier
-        check = HistoryCheck(cert, tau=cfg.tau) if cfg.history_check else None
-        peak = [0]
-
-        def sample_sketch() -> None:
-            peak[0] = max(peak[0], sum(s.nbytes for s in cert.summaries))
-
-        losses, seconds = _stream(model, ids, tt, C, after=sample_sketch, progress=tick("two_tier"))
-        per_token = _token_bytes(tt)
-        policy_bytes = _policy_bytes(tt)
-        recall_bytes = tt.kv.nbytes * cfg.recall_slots // (budget + cfg.recall_slots)
-        device = tt.kv.nbytes + policy_bytes + peak[0]
-        matched = round(device / per_token)
-        two = {**entry(tt, losses, seconds, budget), "device_bytes": device, "kv_bytes": tt.kv.nbytes,
-               "recall_slot_bytes": recall_bytes, "policy_state_bytes": policy_bytes, "sketch_bytes": peak[0],
-               "host_bytes": cert.store.nbytes, "recalled_tokens": cert.stats["recalled_tokens"],
-               "shortfalls": cert.stats["shortfalls"], "recall_steps": cert.stats["steps"]}
-        if check is not None:
-            r = check.result()
-            two.update(violations=r["violations"], count_mismatch=r["count_mismatch"], over_tau=r.get("over_tau"),
-                       queries_checked=r["queries_checked"])
-        caches["two_tier"] = two
-        runs = (("full", "ring", T, 0), ("ring", "ring", matched, cfg.sink), ("tova", "tova", matched, cfg.sink),
-                ("budget_only", cfg.policy, budget, cfg.sink))
-        for name, kind, memory, sink in runs:
-            cache = build(kind, memory, sink)
-            losses, seconds = _stream(model, ids, cache, C, progress=tick(name))
-            caches[name] = entry(cache, losses, seconds, memory)
-    finally:
-        model.set_attn_implementation(before)
+    with threads(num_threads):
+        try:
+            model.set_attn_implementation(skv.ATTN_IMPLEMENTATION)
+            tt = build(cfg.policy, budget, cfg.sink, recall_slots=cfg.recall_slots,
+                       certify={"recall_tau": cfg.tau, "sketch_bits": cfg.sketch_bits,
+                                "block_tokens": cfg.block_tokens})
+            caches["two_tier"] = _two_tier(model, ids, tt, cfg, tick("two_tier"))
+            per_token = _token_bytes(tt)
+            matched = round(caches["two_tier"]["device_bytes"] / per_token)
+            runs = (("full", "ring", T, 0), ("ring", "ring", matched, cfg.sink), ("tova", "tova", matched, cfg.sink),
+                    ("budget_only", cfg.policy, budget, cfg.sink))
+            for name, kind, memory, sink in runs:
+                cache = build(kind, memory, sink)
+                losses, seconds = _stream(model, ids, cache, C, progress=tick(name))
+                caches[name] = _entry(cache, losses, seconds, memory, budget)
+        finally:
+            model.set_attn_implementation(before)
     return {"config": asdict(cfg), "tokens": T, "token_bytes": per_token, "matched_memory_tokens": matched,
             "budget_tokens": budget, "caches": caches}
+
+
+def _entry(cache: Any, losses: Tensor, seconds: float, memory: int, budget: int) -> dict[str, Any]:
+    return {"memory_tokens": memory, "device_bytes": cache.kv.nbytes + _policy_bytes(cache),
+            "perplexity": _perplexity(losses), "perplexity_past_budget": _perplexity(losses, budget),
+            "seconds": seconds}
+
+
+def _two_tier(model: Any, ids: Tensor, cache: Any, cfg: TwoTierLMConfig,
+              progress: Callable[[int], None] | None) -> dict[str, Any]:
+    """The two-tier cache's entry: perplexities, device bytes (the sketches' peak sampled after
+    every forward), recall counters and, with ``cfg.history_check``, the whole-history check."""
+    from streamkv.certify import HistoryCheck
+
+    cert = cache.certifier
+    check = HistoryCheck(cert, tau=cfg.tau) if cfg.history_check else None
+    peak = [0]
+
+    def sample_sketch() -> None:
+        peak[0] = max(peak[0], sum(s.nbytes for s in cert.summaries))
+
+    budget = cfg.sink + cfg.window
+    losses, seconds = _stream(model, ids, cache, cfg.chunk, after=sample_sketch, progress=progress)
+    policy_bytes = _policy_bytes(cache)
+    out = {**_entry(cache, losses, seconds, budget, budget),
+           "device_bytes": cache.kv.nbytes + policy_bytes + peak[0], "kv_bytes": cache.kv.nbytes,
+           "recall_slot_bytes": cache.kv.nbytes * cfg.recall_slots // (budget + cfg.recall_slots),
+           "policy_state_bytes": policy_bytes, "sketch_bytes": peak[0], "host_bytes": cert.store.nbytes,
+           "recalled_tokens": cert.stats["recalled_tokens"], "shortfalls": cert.stats["shortfalls"],
+           "recall_steps": cert.stats["steps"]}
+    if check is not None:
+        r = check.result()
+        out.update(violations=r["violations"], count_mismatch=r["count_mismatch"], over_tau=r.get("over_tau"),
+                   queries_checked=r["queries_checked"])
+    return out
