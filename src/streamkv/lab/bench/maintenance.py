@@ -40,7 +40,7 @@ or V bytes, ``C`` the chunk and ``W`` the window in tokens)::
 Write metadata (the ring's ``C`` slot indices and positions, the current path's
 rolled position table) is not in the analytic count (it is 8 B per token against
 ``row`` = 3,072 B at ``self-forcing``); the dispatch counter
-(:func:`~streamkv.lab.bench.measure.count_written_bytes`) reports it as ``metadata``.
+(:func:`~streamkv.lab.measure.count_written_bytes`) reports it as ``metadata``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from torch import Tensor
 from streamkv.caches import ChronologicalCache, KVCache, RingCache
 from streamkv.compat.sglang import RingCausalSelfAttentionKVCache
 from streamkv.layout import CacheLayout
-from streamkv.lab.bench.measure import (
+from streamkv.lab.measure import (
     Stats,
     TimingRun,
     TransientMemory,
