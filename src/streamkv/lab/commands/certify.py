@@ -106,7 +106,7 @@ def _real(args: argparse.Namespace) -> int:
     kib = (lambda b: "-" if b is None else f"{b / 1024:.0f}")
     num = (lambda x, f="{:.3g}": "-" if x is None else f.format(x))
     for name, d in result["datasets"].items():
-        for i, r in enumerate(d["sweep"]):
+        for i, r in enumerate(d.get("sweep", ())):  # the perplexity dataset is printed below
             cfg = r["config"]
             t = Table(title=f"{name} [{i + 1}/{len(d['sweep'])}]: two_tier = {cfg['policy']} budget {cfg['sink']} + "
                             f"{cfg['window']} tokens, {cfg['sketch_bits']}-bit sketches (blocks of {cfg['sketch_block']}), "
