@@ -12,12 +12,14 @@ random token streams; no SmolLM2):
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.console import Console
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from streamkv.budget.oracles import PerQueryMass
@@ -25,6 +27,7 @@ from streamkv.lab.cli import main
 from streamkv.lab.commands.lm_eval import payload
 from streamkv.lab.experiments.lm_eval import LMEvalConfig, evaluate
 from streamkv.lab.experiments.lm_oracle import KWARG, OracleRun, mass_keep, oracle_attention
+from streamkv.lab.experiments.lm_report import plot_lm_eval, print_lm_eval
 
 
 def tiny(dtype=torch.float32):
@@ -220,7 +223,7 @@ def test_layer0_attention_error_matches_captured_qkv():
 
 
 # ------------------------------------------------------------------ JSON, refusals
-def test_json_payload_has_the_documented_keys():
+def test_json_payload_has_the_documented_keys(tmp_path):
     model = tiny()
     result = evaluate(model, tokens(80), LMEvalConfig(**SMALL, kinds=("ring", "mass", "tova"), taus=(0.05,),
                                                       oracle_taus=(0.1,)))
@@ -235,6 +238,10 @@ def test_json_payload_has_the_documented_keys():
             assert e["perplexity"] > 1 and math.isfinite(e["attn_error_mean"]) and e["attn_error_p99"] >= 0
     assert {(o["mode"], o["tau"]) for o in doc["oracle"]} == {("stream", 0.1), ("decode", 0.1)}
     assert [t["mode"] for t in doc["targets"]] == ["stream", "decode"]
+    out = io.StringIO()  # the tables and the plot render from the JSON document
+    print_lm_eval(Console(file=out, width=170), doc)
+    assert "tova" in out.getvalue() and "oracle" in out.getvalue()
+    assert plot_lm_eval(doc, tmp_path / "p.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("bad, match", [

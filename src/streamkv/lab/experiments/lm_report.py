@@ -103,15 +103,17 @@ def plot_lm_eval(result: dict[str, Any], path: str | Path) -> Path:
         for o in result["oracle"]:
             if (o["mode"], o["chunk"]) == (mode, chunk):
                 ax.plot([o["memory_tokens"]], [o["perplexity"]], marker="*", ms=14, ls="", color="k")
-                ax.annotate(f"oracle tau={o['tau']:g}", (o["memory_tokens"], o["perplexity"]), fontsize=8)
+                ax.annotate(f"oracle tau={o['tau']:g}: {o['memory_tokens']:.0f} kept", (o["memory_tokens"], o["perplexity"]),
+                            fontsize=8)
                 ax_err.plot([o["memory_tokens"]], [o["attn_error_mean"]], marker="*", ms=14, ls="", color="k")
         ax.set(xscale="log", yscale="log", xlabel="KV memory (tokens per layer and key head)",
                ylabel="perplexity (log scale)", title=mode_name(mode, chunk, result["prefill_chunk"]).split(" (")[0])
         ax_err.set(xscale="log", yscale="log", xlabel="KV memory (tokens per layer and key head)",
                    ylabel="attention error, mean ||o - o_full|| / ||o_full||")
         ax.legend(fontsize=8)
+        ticks = sorted({e["memory_tokens"] for k, es in result["caches"].items() if k != "full" for e in es})
         for a in (ax, ax_err):
-            a.xaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+            a.set_xticks(ticks, [str(t) for t in ticks])
             a.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     fig.suptitle(f"{result.get('model', {}).get('name', 'model')}: {result['tokens']} tokens in segments of "
                  f"{result['segment']}")
