@@ -95,12 +95,13 @@ CONFIGS: dict[str, DiTConfig] = {
         latent_h=24, latent_w=40, frames_per_chunk=3, window_frames=21, sink_frames=0, max_frames=1024,
     ),
     # the trained toy (streamkv.lab.video): 16x16 RGB pixels as the latent (3 channels), 4x4
-    # patches -> 16 tokens per frame, 2-frame chunks; the default cache holds the first chunk
-    # as a sink and a 6-frame window; trained on 24-frame clips (max_frames: long demos)
+    # patches -> a 4x4 grid of tokens per frame, 2-frame chunks; the default cache holds the
+    # first chunk as a sink and a 6-frame window; trained on 16-frame clips (max_frames: long
+    # demos); RoPE base 100: on a 4x4 grid Wan's 10000 leaves one usable spatial frequency
     "toy": DiTConfig(
         name="toy", dim=128, heads=4, ffn=512, layers=4, text_dim=16, text_len=4,
         latent_h=16, latent_w=16, frames_per_chunk=2, window_frames=6, sink_frames=2, in_channels=3, patch=4,
-        max_frames=256,
+        max_frames=256, rope_theta=100.0,
     ),
     # Wan 2.1 T2V 1.3B as run by Self-Forcing: 480x832 -> 60x104 latent -> 30x52 = 1,560
     # tokens per frame, 3-frame chunks, 21-frame window

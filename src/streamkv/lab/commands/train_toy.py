@@ -8,7 +8,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from streamkv.lab.video.train import TrainConfig
+    from streamkv.lab.video.config import TrainConfig
 
     d = TrainConfig()
     p.add_argument("--seed", type=int, default=d.seed, help=f"weights, clips and noise seed (default {d.seed})")

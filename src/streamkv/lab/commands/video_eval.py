@@ -8,7 +8,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from streamkv.lab.video.evaluate import EvalConfig
+    from streamkv.lab.video.config import EvalConfig
 
     d = EvalConfig()
     p.add_argument("--clips", type=int, default=d.clips, help=f"held-out clips (default {d.clips})")

@@ -33,33 +33,10 @@ from streamkv.models import CausalVideoDiT
 
 from . import data, metrics
 from .attention_stats import AttentionProfile, profile_json
-from .runs import KINDS, cache_run_spec, run_stream
-from .toy import CONTEXT_FRAMES
+from .config import CONTEXT_FRAMES, KINDS, EvalConfig
+from .runs import cache_run_spec, run_stream
 
 __all__ = ["EvalConfig", "evaluate"]
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """What :func:`evaluate` runs (recorded with the result)."""
-
-    clips: int = 6
-    frames: int = 48
-    capacities: tuple[int, ...] = (6, 8, 12)
-    kinds: tuple[str, ...] = KINDS
-    tau: float = 0.05
-    oracle_taus: tuple[float, ...] = (0.05, 0.1, 0.2)
-    horizon: int = 16  # the training window (frames)
-    data_seed: int = 20251
-    noise_seed: int = 0
-    min_reentry_gap: int = 2
-    min_revisit_gap: int = 4
-
-    def __post_init__(self) -> None:
-        if self.clips < 1 or self.frames % 2 or self.frames <= CONTEXT_FRAMES:
-            raise ValueError(f"clips >= 1 and an even frames > {CONTEXT_FRAMES} needed, got {self.clips}, {self.frames}")
-        if not self.capacities or any(c < 4 or c % 2 for c in self.capacities):
-            raise ValueError(f"capacities must be even frame counts >= 4, got {self.capacities}")
 
 
 def _rate(rows: list[dict], key: str) -> float | None:

@@ -28,12 +28,11 @@ from torch import Tensor
 from streamkv.caches import CacheSet
 from streamkv.models import CausalVideoDiT
 
+from .config import KINDS
 from .toy import geometry_model, stream
 
 __all__ = ["KINDS", "CacheRunSpec", "cache_run_spec", "build_caches", "run_stream"]
 
-#: streaming kinds compared at matched memory (``full`` is the reference)
-KINDS = ("ring", "window", "mass", "h2o", "tova")
 SINK_FRAMES = 2
 
 

@@ -25,13 +25,14 @@ from streamkv.models import CausalVideoDiT, get_config
 from streamkv.models.config import DiTConfig
 from streamkv.rollout import Schedule, StreamingRollout
 
+from .config import CONTEXT_FRAMES
+
 __all__ = ["CONFIG", "PROMPT", "SCHEDULE", "CONTEXT_FRAMES", "WEIGHTS", "METADATA", "EXPECTED", "toy_config",
            "load_model", "save_model", "geometry_model", "stream", "check_rollout", "training_horizon"]
 
 CONFIG = "toy"
 PROMPT = "sprites bouncing in a panning world"
 SCHEDULE = Schedule(timesteps=(1000.0, 750.0, 500.0, 250.0), shift=1.0)
-CONTEXT_FRAMES = 4
 WEIGHTS = Path(__file__).resolve().parent / "weights" / "toy.safetensors"
 METADATA = WEIGHTS.with_name("toy.json")
 EXPECTED = WEIGHTS.with_name("toy_expected.safetensors")

@@ -37,43 +37,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from streamkv.lab.video.config import TrainConfig
 from streamkv.lab.video.data import make_batch
 from streamkv.lab.video.toy import PROMPT, SCHEDULE, toy_config
 from streamkv.models import CausalVideoDiT
 
 __all__ = ["TrainConfig", "TrainResult", "teacher_forcing_mask", "noised_batch", "zero_init_", "train"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What :func:`train` runs (recorded beside the weights)."""
-
-    seed: int = 0
-    steps: int = 1200
-    batch: int = 16
-    frames: int = 16  # the training window: frames per clip
-    sprites: int = 2
-    lr: float = 1e-3
-    warmup: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    ema: float = 0.995
-    discrete_sigma_prob: float = 0.5
-    sigma_min: float = 0.02
-    zero_init: bool = True  # adaLN-Zero: gates, timestep modulation and output head start at zero
-    threads: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch", "frames", "sprites", "threads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not 0 < self.lr < 1 or not 0 <= self.ema < 1 or not 0 <= self.discrete_sigma_prob <= 1:
-            raise ValueError(f"lr in (0, 1), ema in [0, 1), discrete_sigma_prob in [0, 1]; got {self.lr}, "
-                             f"{self.ema}, {self.discrete_sigma_prob}")
-        if not 0 < self.sigma_min < 1:
-            raise ValueError(f"sigma_min must be in (0, 1), got {self.sigma_min}")
 
 
 @dataclass
