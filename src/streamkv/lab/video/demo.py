@@ -74,7 +74,7 @@ def video_demo(out: str | Path, *, frames: int = 64, clip: int = 0, weights: str
         per[label] = {
             "err_vs_full_horizon": _mean(ef[gen_in]), "err_vs_full_beyond": _mean(ef[gen_out]),
             "err_vs_gt_horizon": _mean(eg[gen_in]), "err_vs_gt_beyond": _mean(eg[gen_out]),
-            "tracking_horizon": metrics.tracking(frames_rgb, truth, range(CONTEXT_FRAMES, horizon)),
+            "tracking_horizon": metrics.tracking(frames_rgb, truth, range(gen_in.start, gen_in.stop)),
             "tracking_beyond": metrics.tracking(frames_rgb, truth, range(horizon, frames)),
         }
     return {
