@@ -11,7 +11,7 @@ from streamkv.attention import attend
 
 
 @pytest.mark.parametrize("cls", [RingCache, ChronologicalCache])
-@pytest.mark.parametrize("sink,window,chunk", [(2, 5, 3), (0, 6, 3), (3, 7, 2)])
+@pytest.mark.parametrize("sink,window,chunk", [(2, 5, 3), (0, 6, 3), (3, 7, 2), (1, 4, 4), (0, 5, 2), (4, 9, 4)])
 def test_window_caches_announce_the_dropped_positions(cls, sink, window, chunk):
     cap = sink + window
     cache = cls((1, cap, 2, 1), (1, cap, 2, 1), seq_dim=1, sink=sink, window=window, chunk=chunk, num_layers=2)

@@ -118,9 +118,16 @@ class Ring(_Window):
             storage.plan.view(-1)[:n].copy_(stage)
             self._set_positions(stage, n)
 
+        # row i (position p) overwrites the slot of p - window, retained iff p - window >= sink:
+        # the rows from position sink + window on, whose slots run on from ring_slot(first) and
+        # wrap at most once (n <= chunk <= window); two ranges, no per-row host loop
         L = self.layout
-        # row i (position p) overwrites the slot of p - window, retained iff p - window >= sink
-        slots = tuple(L.ring_slot(p) for p in range(start, start + n) if p - L.window >= L.sink)
+        first, end = max(start, L.sink + L.window), start + n
+        slots: tuple[int, ...] = ()
+        if first < end:
+            a, top = L.ring_slot(first), L.sink + L.window
+            b = a + (end - first)
+            slots = tuple(range(a, min(b, top))) + tuple(range(L.sink, L.sink + max(0, b - top)))
 
         def evicted() -> Tensor:
             mask = empty_eviction(storage)
