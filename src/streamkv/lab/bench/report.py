@@ -128,10 +128,11 @@ def _counted_line(rec: dict[str, Any]) -> str:
     return "bytes written, counted per aten op: " + "; ".join(parts)
 
 
-def _targets_table(rec: dict[str, Any]) -> Any:
+def _targets_table(name: str, rec: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    t = Table(title="targets (the issue sets them at self-forcing on the CPU)", title_justify="left")
+    t = Table(title=f"targets at {name} (they are set at self-forcing on the CPU; elsewhere for reference)",
+              title_justify="left")
     for col in ("target", "value", "threshold", "met"):
         t.add_column(col, justify="left" if col == "target" else "right")
     for key, tg in rec["targets"].items():
@@ -202,7 +203,7 @@ def print_report(doc: dict[str, Any], console: Any = None) -> None:
             for n in rec["write_kernels"]["notes"]:
                 console.print(f"note: {n}", style="dim")
         if "targets" in rec:
-            console.print(_targets_table(rec))
+            console.print(_targets_table(name, rec))
         for n in rec.get("notes", []):
             console.print(f"[yellow]note[/]: {n}")
         console.print()
