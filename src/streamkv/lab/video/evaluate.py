@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from streamkv.models import CausalVideoDiT
 
 from . import data, metrics
 from .attention_stats import AttentionProfile, profile_json
-from .config import CONTEXT_FRAMES, KINDS, EvalConfig
+from .config import CONTEXT_FRAMES, EvalConfig
 from .runs import cache_run_spec, run_stream
 
 __all__ = ["EvalConfig", "evaluate"]
