@@ -55,6 +55,27 @@ def test_ground_truth_describes_the_pixels():
     assert checked > 100
 
 
+def test_sprite_mask_is_the_shape_of_every_clear_sprite_and_nothing_far_from_them():
+    for i in range(6):
+        scene, truth, rgb = data.make_clip(12, i, 24)
+        mask = data.sprite_mask(truth, rgb)
+        assert mask.shape == rgb.shape[:3] and mask.dtype == bool
+        near = np.zeros_like(mask)
+        for t in range(truth.frames):
+            for k in range(len(scene.sprites)):
+                x, y = truth.view[t, k]
+                near[t, max(0, y) : max(0, y + data.SPRITE), max(0, x) : max(0, x + data.SPRITE)] = True
+        assert not mask[~near].any()  # only where a sprite is
+        ok = metrics.clear(truth)
+        for t, k in zip(*np.nonzero(ok)):
+            x, y = truth.view[t, k]
+            box = mask[t, y : y + data.SPRITE, x : x + data.SPRITE]
+            colour_differs = (truth.colours[k] != truth.background[y : y + data.SPRITE, truth.cam[t] + x : truth.cam[t] + x + data.SPRITE]).any(-1)
+            assert np.array_equal(box, data.SHAPES[truth.shapes[k]] & colour_differs)
+    x0, masks = data.make_batch(12, range(2), 8)
+    assert x0.shape == (2, 3, 8, 16, 16) and masks.shape == (2, 1, 8, 16, 16) and masks.any()
+
+
 def test_metrics_are_exact_on_ground_truth_and_can_fail():
     re_all, rv_all, tracked = [], [], []
     for i in range(12):
@@ -139,7 +160,7 @@ def test_a_few_training_steps_are_deterministic_and_learn():
     assert all(np.isfinite(a.losses))
     assert np.mean(a.losses[-3:]) < np.mean(a.losses[:3])
     # on held-out clips with fixed noise the trained (EMA) weights beat the initial ones
-    x0 = data.make_batch(777, range(4), 4)
+    x0, _ = data.make_batch(777, range(4), 4)
     x, t, target = noised_batch(x0, 2, torch.Generator().manual_seed(0), cfg)
     idx, allowed = teacher_forcing_mask(4, 2)
 
@@ -151,6 +172,8 @@ def test_a_few_training_steps_are_deterministic_and_learn():
     assert held_out(a.model) < 0.9 * held_out(CausalVideoDiT(toy_config(), seed=cfg.seed))
     c = train(TrainConfig(seed=6, steps=2, batch=2, frames=4, threads=1))
     assert c.losses != a.losses[:2]
+    w = train(TrainConfig(seed=cfg.seed, steps=2, batch=cfg.batch, frames=cfg.frames, threads=1, sprite_weight=8.0))
+    assert w.losses != a.losses[:2]  # the sprite weight reaches the loss
 
 
 # -------------------------------------------------------------------- committed weights

@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help=f"clips per step (default {d.batch})")
     p.add_argument("--frames", type=int, default=d.frames, help=f"training window in frames (default {d.frames})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--sprite-weight", type=float, default=d.sprite_weight,
+                   help=f"loss weight of sprite pixels (default {d.sprite_weight:g}; 1 = plain MSE)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help=f"torch threads (default {d.threads}: fastest on a shared 2-core machine; at most 2)")
     p.add_argument("--out", default=None, help="weights path (default: the packaged streamkv/lab/video/weights/toy.safetensors)")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.threads <= 2:
         raise ValueError(f"--threads must be 1 or 2 (the machine is shared), got {args.threads}")
     cfg = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, frames=args.frames, lr=args.lr,
-                      threads=args.threads)
+                      sprite_weight=args.sprite_weight, threads=args.threads)
     weights = Path(args.out) if args.out else WEIGHTS
     if weights.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {weights}")

@@ -31,6 +31,7 @@ class TrainConfig:
     ema: float = 0.995
     discrete_sigma_prob: float = 0.5
     sigma_min: float = 0.02
+    sprite_weight: float = 1.0  # loss weight of the pixels a sprite covers (1: plain MSE)
     zero_init: bool = True  # adaLN-Zero: gates, timestep modulation and output head start at zero
     threads: int = 1
 
@@ -42,6 +43,8 @@ class TrainConfig:
         if not 0 < self.lr < 1 or not 0 <= self.ema < 1 or not 0 <= self.discrete_sigma_prob <= 1:
             raise ValueError(f"lr in (0, 1), ema in [0, 1), discrete_sigma_prob in [0, 1]; got {self.lr}, "
                              f"{self.ema}, {self.discrete_sigma_prob}")
+        if not self.sprite_weight >= 1:
+            raise ValueError(f"sprite_weight must be >= 1, got {self.sprite_weight}")
         if not 0 < self.sigma_min < 1:
             raise ValueError(f"sigma_min must be in (0, 1), got {self.sigma_min}")
 

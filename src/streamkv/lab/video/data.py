@@ -41,7 +41,7 @@ from torch import Tensor
 __all__ = [
     "CELL", "VIEW", "WORLD_H", "WORLD_W", "SPRITE", "BANDS", "SHAPES", "SHAPE_NAMES", "SPRITE_PALETTE",
     "BACKGROUND_PALETTE", "Sprite", "Scene", "Truth", "sample_scene", "simulate", "render", "make_clip",
-    "make_batch", "to_latents", "to_rgb",
+    "make_batch", "sprite_mask", "to_latents", "to_rgb",
 ]
 
 CELL = 4
@@ -218,6 +218,16 @@ def to_rgb(latents: Tensor) -> np.ndarray:
     return x.clamp(0, 1).numpy()
 
 
-def make_batch(seed: int, indices: range | list[int], frames: int, sprites: int = 2) -> Tensor:
-    """Latents ``float32 [B, 3, T, 16, 16]`` of clips ``indices`` of stream ``seed``."""
-    return torch.stack([to_latents(make_clip(seed, i, frames, sprites)[2]) for i in indices])
+def sprite_mask(truth: Truth, rgb: np.ndarray) -> np.ndarray:
+    """bool ``[T, VIEW, VIEW]``: the pixels where a sprite covers the background."""
+    bg = np.stack([truth.background[:, c : c + VIEW] for c in truth.cam.tolist()])
+    return (rgb != bg).any(-1)
+
+
+def make_batch(seed: int, indices: range | list[int], frames: int, sprites: int = 2) -> tuple[Tensor, Tensor]:
+    """Latents ``float32 [B, 3, T, 16, 16]`` of clips ``indices`` of stream ``seed``, and
+    their sprite masks ``bool [B, 1, T, 16, 16]`` (:func:`sprite_mask`)."""
+    clips = [make_clip(seed, i, frames, sprites) for i in indices]
+    x = torch.stack([to_latents(rgb) for _, _, rgb in clips])
+    masks = torch.stack([torch.from_numpy(sprite_mask(truth, rgb)) for _, truth, rgb in clips])
+    return x, masks[:, None]

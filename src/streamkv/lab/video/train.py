@@ -14,7 +14,9 @@ what it sees in a full-history streaming rollout (the earlier chunks' clean-pass
 its own), and the clean stream computes those clean-pass K/V. Noised copies share the clean
 copies' stream frames (RoPE positions). Flow matching: ``x_sigma = (1 - sigma) x0 + sigma
 eps``, the model predicts ``eps - x0``; the loss is its mean squared error over the noised
-chunks. ``sigma`` is one of the sampler's sigmas with probability ``discrete_sigma_prob``,
+chunks (``sprite_weight > 1`` weighs the pixels a sprite covers that many times, normalised by
+the mean weight; the committed weights use 1, plain MSE: with 8 the model draws sprites but
+smears them into stacks when it runs free, see the README). ``sigma`` is one of the sampler's sigmas with probability ``discrete_sigma_prob``,
 else uniform in ``[sigma_min, 1]``. The weights start from the model's seeded
 initialisation with adaLN-Zero applied (:func:`zero_init_`); AdamW, linear warm-up then
 cosine decay, gradient clipping, an EMA of the weights (what is saved). No self-forcing
@@ -142,12 +144,13 @@ def _train(cfg: TrainConfig, progress: Callable[[int, float], None] | None) -> T
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        x0 = make_batch(cfg.seed, range(step * cfg.batch, (step + 1) * cfg.batch), cfg.frames, cfg.sprites)
+        x0, sprites = make_batch(cfg.seed, range(step * cfg.batch, (step + 1) * cfg.batch), cfg.frames, cfg.sprites)
         x, t, target = noised_batch(x0, fpc, gen, cfg)
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
         flow = model.forward_sequence(x, t, text, frame_index, allowed)[:, :, cfg.frames:]
-        loss = (flow - target).pow(2).mean()
+        weight = 1.0 + (cfg.sprite_weight - 1.0) * sprites.float()  # [B, 1, T, H, W]
+        loss = ((flow - target).pow(2) * weight).mean() / weight.mean()
         if not torch.isfinite(loss):
             raise RuntimeError(f"training diverged at step {step}: loss {loss.item()}")
         opt.zero_grad(set_to_none=True)
