@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .caches.read import KVRead, Occupancy
-from .scoring import blockwise_attention, check_block, fold_groups
+from .scoring import blockwise_attention, check_block, fold_groups, key_blockwise_attention
 
 __all__ = ["attend", "AttentionInfo", "Order", "RopeMode"]
 
@@ -96,7 +96,8 @@ def attend(
         scale: softmax scale (default ``1/sqrt(D)``).
         return_lse: also return the per-query log-sum-exp in ``info.lse`` (``[..., Lq]``, the
             token dim moved last).
-        block: query rows per block where the softmax is computed explicitly.
+        block: query rows per block where the softmax is computed explicitly (slots per block
+            where the read loads its keys, ``read.load``).
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
@@ -173,7 +174,13 @@ def attend(
         if bias is not None and bias.shape[-2] != 1:
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
-    if scored or return_lse:
+    if path == "physical" and read.load is not None:
+        res = key_blockwise_attention(qt, _key_blocks(read, bias, block), scale=scale, statistics=scored,
+                                      lse=return_lse, head_axis=read.head_axis)
+        out, lse = res.out, res.lse
+        if scored:
+            read.scorer(res.key_max, res.key_sum)
+    elif scored or return_lse:
         res = blockwise_attention(qt, k, v, bias, scale=scale, block=block, statistics=scored, lse=return_lse,
                                   head_axis=read.head_axis)
         out, lse = res.out, res.lse
@@ -187,6 +194,19 @@ def attend(
             lse = lse.reshape(*lse.shape[: read.head_axis], -1, rows)
     info = AttentionInfo(path=path, occupancy=occupancy, keys_read=k.shape[-2], lse=lse, scored=scored)
     return out.movedim(-2, seq), info
+
+
+def _key_blocks(read: KVRead, bias: Tensor | None, block: int):
+    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``)."""
+    seq = read.seq_dim
+
+    def blocks():
+        for a in range(0, read.visible, block):
+            b = min(a + block, read.visible)
+            k, v = read.load(a, b)
+            yield k.movedim(seq, -2), v.movedim(seq, -2), None if bias is None else bias[..., a:b]
+
+    return blocks
 
 
 def _read_of(source: object) -> KVRead:

@@ -18,10 +18,12 @@ refuse such reads from host knowledge before they get here).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import Tensor
 
-__all__ = ["Blockwise", "blockwise_attention", "check_block", "fold_groups"]
+__all__ = ["Blockwise", "blockwise_attention", "key_blockwise_attention", "KeyBlocks", "check_block", "fold_groups"]
 
 
 def check_block(block: object) -> int:
@@ -96,6 +98,72 @@ def blockwise_attention(
             ksum = bsum if ksum is None else ksum + bsum
     out = torch.cat(outs, dim=-2).to(q.dtype) if outs else None
     return Blockwise(out, torch.cat(lses, dim=-1) if lse else None, kmax, ksum)
+
+
+#: A source of key blocks for :func:`key_blockwise_attention`: called once per pass, it yields
+#: ``(k [..., s, D], v [..., s, Dv] or None, bias broadcastable to [..., Q, s] or None)`` for
+#: consecutive slot ranges that together cover the keys once, in the same order every call.
+KeyBlocks = Callable[[], Iterable[tuple[Tensor, Tensor | None, Tensor | None]]]
+
+
+def key_blockwise_attention(
+    q: Tensor,
+    blocks: KeyBlocks,
+    *,
+    scale: float,
+    statistics: bool = False,
+    lse: bool = False,
+    head_axis: int | None = None,
+) -> Blockwise:
+    """Softmax attention of ``q [..., Q, D]`` over keys that arrive a block of slots at a time,
+    combined by the log-sum-exp (the online softmax): nothing larger than one block's scores
+    ``[..., Q, s]`` and its keys is materialised, so a cache whose keys are not stored as dense
+    rows (codes to dequantise, raw keys to rotate) is attended without a dense copy of its
+    history. ``blocks`` (:data:`KeyBlocks`) is called once for the output and, with
+    ``statistics``, a second time for the per-key statistics (which need the final
+    normaliser); the statistics are concatenated over the blocks in their order
+    (float64 ``[H, S]`` as :func:`blockwise_attention`). Scores are computed in the wider of
+    float32 and ``q``'s dtype. A query whose keys are all hidden yields NaN, as there."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(acc)
+    m = l = out = None
+    for k, v, bias in blocks():
+        s = (qf @ k.to(acc).transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + bias.to(acc)
+        bm = s.amax(dim=-1, keepdim=True)
+        if m is None:
+            m_new = bm
+        else:
+            m_new = torch.maximum(m, bm)
+        # a row with every key so far hidden has m_new = -inf: keep it at 0 weight, not NaN
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - safe)
+        if m is None:
+            l = p.sum(-1, keepdim=True)
+            out = p @ v.to(acc) if v is not None else None
+        else:
+            alpha = torch.exp(torch.where(torch.isfinite(m), m, safe) - safe)
+            l = l * alpha + p.sum(-1, keepdim=True)
+            if v is not None:
+                out = out * alpha + p @ v.to(acc)
+        m = m_new
+    if m is None:
+        raise ValueError("key_blockwise_attention needs at least one key block")
+    row = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(l)  # -inf where nothing is visible
+    res_out = (out / l).to(q.dtype) if out is not None else None
+    kmax = ksum = None
+    if statistics:
+        maxes, sums = [], []
+        for k, _, bias in blocks():
+            s = (qf @ k.to(acc).transpose(-1, -2)) * scale
+            if bias is not None:
+                s = s + bias.to(acc)
+            ph = _to_heads(torch.exp(s - row).to(torch.float64), head_axis)
+            maxes.append(ph.amax(dim=1))
+            sums.append(ph.sum(dim=1))
+        kmax, ksum = torch.cat(maxes, dim=-1), torch.cat(sums, dim=-1)
+    return Blockwise(res_out, row.squeeze(-1) if lse else None, kmax, ksum)
 
 
 def fold_groups(q: Tensor, k_shape: torch.Size | tuple[int, ...], head_axis: int | None) -> Tensor:

@@ -51,6 +51,12 @@ class KVRead:
         scorer: for caches whose policy needs queries: receives the per-key statistics
             ``(max, sum) [H, S]`` of the attention that reads this (``attend`` delivers them).
         name: ``"<kind> layer <i>"``, for messages.
+        load: None when ``keys``/``values`` are the keys and values attention uses, as they
+            lie; else ``load(a, b) -> (k, v)`` gives the attendable K/V of slots ``[a, b)``
+            (token dim at ``seq_dim``), materialised for that range only (stored codes
+            dequantised, raw keys rotated): ``attend`` then reads the cache a block of slots
+            at a time (:func:`~streamkv.scoring.key_blockwise_attention`) and never builds a
+            dense copy of the whole history.
     """
 
     keys: Tensor
@@ -68,6 +74,7 @@ class KVRead:
     scorer: Callable[[Tensor, Tensor], None] | None
     bias_fn: Callable[[Tensor, torch.dtype], Tensor]
     name: str
+    load: Callable[[int, int], tuple[Tensor, Tensor]] | None = None
 
     def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """The additive bias over the slots read (``-inf`` on empty ones), broadcastable
