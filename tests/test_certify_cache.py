@@ -196,9 +196,9 @@ def test_recall_slots_are_a_storage_option_of_the_cache_set():
 def test_bad_input():
     with pytest.raises(ValueError, match="recall_slots"):
         _cache("ring", recall_tau=0.1)
-    bhtd = KVCache((B, H, S + W, D), (B, H, S + W, D), policy="ring", seq_dim=2, sink=S, window=W, chunk=C)
-    with pytest.raises(ValueError, match="layout"):
-        Certifier(bhtd)
+    no_heads = KVCache((S + W, D), (S + W, D), policy="ring", seq_dim=0, sink=S, window=W, chunk=C)
+    with pytest.raises(ValueError, match="head dimension"):
+        Certifier(no_heads)
     with pytest.raises(ValueError, match="tau"):
         _cache("ring", recall_tau=1.5, recall_slots=4)
     with pytest.raises(ValueError, match="pool_events"):
@@ -238,14 +238,14 @@ def test_the_reference_catches_a_summary_that_misses_tokens(monkeypatch):
     """Control: drop every third eviction event from the summaries; the whole-history check must
     flag the bookkeeping and find violations (so the zero counts above can fail)."""
     seen = {"n": 0}
-    orig = Certifier.on_evict
+    orig = Certifier._record
 
-    def lossy(self, ev):
+    def lossy(self, captured):
         seen["n"] += 1
         if seen["n"] % 3:
-            orig(self, ev)
+            orig(self, captured)
 
-    monkeypatch.setattr(Certifier, "on_evict", lossy)
+    monkeypatch.setattr(Certifier, "_record", lossy)
     cache = _cache("ring", check={})
     _drive(cache, 16, torch.Generator().manual_seed(7), scale=3.0)
     r = cache.check.result()

@@ -42,7 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .caches.read import KVRead, Occupancy
-from .scoring import blockwise_attention, check_block, fold_groups, key_blockwise_attention
+from .storage import position_bias
+from .validate import check_real
+from .scoring import blockwise_attention, check_block, fold_groups, key_blockwise_attention, unfold_groups
 
 __all__ = ["attend", "AttentionInfo", "Order", "RopeMode"]
 
@@ -115,10 +117,15 @@ def attend(
         raise ValueError(f"rope_mode must be 'absolute' or 'cache_relative', got {rope_mode!r}")
     if rope_mode == "cache_relative" and key_transform is None:
         raise ValueError("rope_mode='cache_relative' needs key_transform to rotate the chronological keys")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-                              or scale <= 0):
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if rope_mode != "cache_relative" and key_transform is not None:
+        raise ValueError(f"key_transform is applied only with rope_mode='cache_relative' (keys stored unrotated); "
+                         f"with rope_mode={rope_mode!r} it would be ignored")
+    if scale is not None:
+        scale = check_real("scale", scale, positive=True)
+    if not isinstance(return_lse, bool) or not isinstance(causal, bool):
+        raise TypeError(f"causal and return_lse must be bools, got {causal!r} and {return_lse!r}")
     _check_query(q, read)
+    read.check_current()
     if read.empty:
         raise ValueError(f"{read.name} holds no token yet: begin_chunk and write before attending")
     reasons = []
@@ -137,6 +144,8 @@ def attend(
     if causal and q.shape[read.seq_dim] != read.query_positions.numel():
         raise ValueError(f"causal=True: q has {q.shape[read.seq_dim]} rows, the open chunk "
                          f"{read.query_positions.numel()}")
+    if attn_mask is not None:
+        _check_mask(attn_mask, q, read)
 
     seq = read.seq_dim
     qt = q.movedim(seq, -2)
@@ -162,15 +171,14 @@ def attend(
                 attn_mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(~attn_mask, float("-inf"))
         if causal:
             kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
-            hide = kp.view(1, -1) > read.query_positions.view(-1, 1)
-            cb = torch.zeros(hide.shape, dtype=qt.dtype, device=qt.device).masked_fill_(hide, float("-inf"))
+            cb = position_bias(kp, read.query_positions, qt.dtype)
             bias = cb if bias is None else bias + cb
     # grouped-query attention: fold the query heads of each key head into its query rows
-    rows = qt.shape[-2]
     groups = 1
-    if read.head_axis is not None and qt.shape[read.head_axis] != k.shape[read.head_axis]:
-        groups = qt.shape[read.head_axis] // k.shape[read.head_axis]
-        qt = fold_groups(qt, k.shape, read.head_axis)
+    if read.head_axis is not None and qt.shape[read.head_axis] != read.keys.shape[_head_dim(read)]:
+        heads = read.keys.shape[_head_dim(read)]
+        groups = qt.shape[read.head_axis] // heads
+        qt = fold_groups(qt, heads, read.head_axis)
         if bias is not None and bias.shape[-2] != 1:
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
@@ -189,10 +197,11 @@ def attend(
     else:
         out, lse = F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale), None
     if groups > 1:
-        out = out.reshape(*out.shape[: read.head_axis], -1, rows, out.shape[-1])
+        out = unfold_groups(out, groups, read.head_axis)
         if lse is not None:
-            lse = lse.reshape(*lse.shape[: read.head_axis], -1, rows)
-    info = AttentionInfo(path=path, occupancy=occupancy, keys_read=k.shape[-2], lse=lse, scored=scored)
+            lse = unfold_groups(lse.unsqueeze(-1), groups, read.head_axis).squeeze(-1)
+    info = AttentionInfo(path=path, occupancy=occupancy, keys_read=read.visible if path == "physical" else k.shape[-2],
+                         lse=lse, scored=scored)
     return out.movedim(-2, seq), info
 
 
@@ -214,6 +223,29 @@ def _read_of(source: object) -> KVRead:
     if not callable(read):
         raise TypeError(f"source must be a KVRead or have a read() method (a cache layer), got {type(source).__name__}")
     return read()
+
+
+def _check_mask(mask: object, q: Tensor, read: KVRead) -> None:
+    """``attn_mask`` must be a bool or floating tensor on the queries' device, broadcastable to
+    the scores over the chronological keys ``[..., Lq, L]`` (checked here, naming the mask)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point (additive), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask must be on the queries' device {q.device}, got {mask.device}")
+    if read.num_retained is None:
+        return  # the chronological path refuses this read (and says why)
+    scores = (*q.movedim(read.seq_dim, -2).shape[:-1], read.num_retained)
+    try:
+        ok = torch.broadcast_shapes(mask.shape, scores) == torch.Size(scores)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"attn_mask {tuple(mask.shape)} must broadcast to the scores over the chronological keys {scores} "
+            f"(queries x the {read.num_retained} retained keys)"
+        )
 
 
 def _check_query(q: Tensor, read: KVRead) -> None:

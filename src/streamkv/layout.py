@@ -48,15 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .validate import check_int
+
 __all__ = ["CacheLayout"]
-
-
-def _check_size(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -81,9 +75,8 @@ class CacheLayout:
     chunk: int
 
     def __post_init__(self) -> None:
-        _check_size("sink", self.sink, 0)
-        _check_size("chunk", self.chunk, 1)
-        _check_size("window", self.window, 1)
+        for name, minimum in (("sink", 0), ("chunk", 1), ("window", 1)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum))
         if self.chunk > self.window:
             raise ValueError(
                 f"chunk ({self.chunk}) must be <= window ({self.window}): the chunk being "

@@ -23,16 +23,15 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["Blockwise", "blockwise_attention", "key_blockwise_attention", "KeyBlocks", "check_block", "fold_groups"]
+from .validate import check_int
+
+__all__ = ["Blockwise", "blockwise_attention", "key_blockwise_attention", "KeyBlocks", "check_block", "fold_groups",
+           "unfold_groups"]
 
 
 def check_block(block: object) -> int:
     """A query (or key) block size: an int >= 1."""
-    if isinstance(block, bool) or not isinstance(block, int):
-        raise TypeError(f"block must be an int, got {type(block).__name__} {block!r}")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
-    return block
+    return check_int("block", block, 1)
 
 
 class Blockwise:
@@ -166,17 +165,27 @@ def key_blockwise_attention(
     return Blockwise(res_out, row.squeeze(-1) if lse else None, kmax, ksum)
 
 
-def fold_groups(q: Tensor, k_shape: torch.Size | tuple[int, ...], head_axis: int | None) -> Tensor:
-    """Grouped-query attention: queries with ``G`` times the keys' heads, folded into the
-    query rows of their key head (query head ``h`` reads key head ``h // G``, as
-    transformers' ``repeat_kv``): ``[..., G*H, Q, D] -> [..., H, G*Q, D]``. Identity when the
-    head counts agree. Needs the head dim right before the token dim."""
-    if head_axis is None or q.shape[head_axis] == k_shape[head_axis]:
+def fold_groups(q: Tensor, heads: int, head_axis: int | None) -> Tensor:
+    """Grouped-query attention: queries with ``G`` times the ``heads`` of the keys, folded into
+    the query rows of their key head (query head ``h`` reads key head ``h // G``, as
+    transformers' ``repeat_kv``): dim ``head_axis`` shrinks from ``G * heads`` to ``heads`` and
+    the token dim (``-2``) grows to ``G * Q`` rows ordered ``(group, query)``. Identity when
+    the head counts agree. The one fold of the project (attention, scoring, the certifier)."""
+    if head_axis is None or q.shape[head_axis] == heads:
         return q
-    hq, hk = q.shape[head_axis], k_shape[head_axis]
-    if hq % hk or head_axis != q.dim() - 3:
-        raise ValueError(
-            f"queries have {hq} heads and keys {hk}: grouped-query attention needs a multiple, with the head dim "
-            f"right before the token dim"
-        )
-    return q.reshape(*q.shape[:head_axis], hk, (hq // hk) * q.shape[-2], q.shape[-1])
+    hq = q.shape[head_axis]
+    if hq % heads:
+        raise ValueError(f"queries have {hq} heads and keys {heads}: grouped-query attention needs a multiple")
+    x = q.movedim(head_axis, -3)  # [..., G*H, Q, D]
+    x = x.reshape(*x.shape[:-3], heads, (hq // heads) * x.shape[-2], x.shape[-1])
+    return x.movedim(-3, head_axis)
+
+
+def unfold_groups(out: Tensor, groups: int, head_axis: int | None) -> Tensor:
+    """The inverse of :func:`fold_groups` for the attention output: ``G * Q`` rows of each key
+    head back to ``G`` query heads of ``Q`` rows."""
+    if head_axis is None or groups == 1:
+        return out
+    x = out.movedim(head_axis, -3)  # [..., H, G*Q, D]
+    x = x.reshape(*x.shape[:-3], x.shape[-3] * groups, x.shape[-2] // groups, x.shape[-1])
+    return x.movedim(-3, head_axis)

@@ -28,27 +28,28 @@ Nothing here decides which slots a chunk gets: that is a policy's job
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["KVStorage", "check_int", "normalise_dims"]
+from .validate import check_int
+
+__all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias"]
 
 
-def check_int(name: str, value: object, minimum: int | None = None) -> int:
-    """``value`` as an exact Python int (numpy and torch integer scalars convert; ``bool``,
-    floats and strings are refused with ``TypeError``), at least ``minimum``."""
-    if isinstance(value, bool) or isinstance(value, float):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    try:
-        out = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if minimum is not None and out < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {out}")
-    return out
+def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """The additive mask of attention over slots holding ``key_positions [..., S]`` (``-1``:
+    empty): ``-inf`` on empty slots and, given ``query_positions [Q]`` (causal attention), on
+    keys at later positions than the query. Shape ``[..., Q, S]`` (``Q = 1`` without queries).
+    A function of positions, so it is exact in any physical order: the one mask builder of the
+    project (reads, the chronological path, the certifier, the whole-history check)."""
+    k = key_positions.unsqueeze(-2)
+    hidden = k < 0
+    if query_positions is not None:
+        hidden = hidden | (k > query_positions.reshape(-1, 1))
+    return torch.zeros(hidden.shape, dtype=dtype, device=key_positions.device).masked_fill_(hidden, float("-inf"))
 
 
 def _shape(name: str, shape: object) -> tuple[int, ...]:
@@ -184,6 +185,8 @@ class KVStorage:
         self._perm = [seq, *([head] if head is not None else []), *rest, rank - 1]
         self._heads_idx = torch.arange(H, device=self.device).expand(chunk, H)
         self._k_wide, self._v_wide = _int64_view(self.keys), _int64_view(self.values)
+        # who fills the recall slots (one certifier at most; it claims them when attached)
+        self.recall_owner: object | None = None
         # the storages behind every tensor the cache writes: what ``owns`` compares against
         self._own = [t for t in (self.keys, self.values, self.positions, self.plan) if t.device.type != "meta"]
         self._own_ptrs = {t.untyped_storage().data_ptr() for t in self._own}
@@ -234,16 +237,21 @@ class KVStorage:
             return None
         return [d for d in range(len(self.k_shape) - 1) if d != self.seq_dim].index(self.head_dim)
 
-    def bias(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
-        """Additive attention bias from per-head slot ``positions [H, S]`` (``-inf`` where
-        ``< 0``), shaped to broadcast against scores ``[..., Q, S]`` of a layer moved to
-        ``[..., T, D]``: ``H`` at :attr:`head_axis`, ones elsewhere."""
-        bias = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
-        bias.masked_fill_(positions < 0, float("-inf"))
-        shape = [1] * (len(self.k_shape) - 2) + [1, positions.shape[-1]]
+    def bias(self, positions: Tensor, dtype: torch.dtype, query_positions: Tensor | None = None) -> Tensor:
+        """Additive attention bias from per-head slot ``positions [H, S]`` (``-inf`` where ``< 0``
+        and, given ``query_positions [Q]``, where a key is at a later position than the query:
+        :func:`position_bias`), shaped to broadcast against scores ``[..., Q, S]`` of a layer
+        moved to ``[..., T, D]`` (:meth:`lay_out_bias`).
+        """
+        return self.lay_out_bias(position_bias(positions, query_positions, dtype))
+
+    def lay_out_bias(self, bias: Tensor) -> Tensor:
+        """A per-head bias ``[H, Q, S]`` shaped to broadcast against scores ``[..., Q, S]`` of a
+        layer moved to ``[..., T, D]``: ``H`` at :attr:`head_axis`, ones elsewhere."""
+        shape = [1] * (len(self.k_shape) - 2) + list(bias.shape[-2:])
         if self.head_axis is None:
             return bias[:1].view(shape)
-        shape[self.head_axis] = positions.shape[0]
+        shape[self.head_axis] = bias.shape[0]
         return bias.view(shape)
 
     def layer_positions(self, layer: int) -> Tensor:
@@ -254,11 +262,33 @@ class KVStorage:
         """Shape of one chunk's ``"k"`` or ``"v"`` (``chunk`` at ``seq_dim``)."""
         return self._chunk_k if which == "k" else self._chunk_v
 
-    def layer_keys(self, layer: int) -> Tensor:
-        return self.keys[layer]
+    def head_view(self, which: str, layer: int | None = None) -> Tensor:
+        """The ``"k"`` or ``"v"`` buffer per head: ``[L, H, R, S, D]`` (``[H, R, S, D]`` for one
+        ``layer``), ``R`` the product of the other leading dims (e.g. the batch), ``H = 1``
+        without a head dim. A view where the layout allows (a copy otherwise): read it, never
+        write through it. Every per-head consumer (key-scored policies, the certifier) goes
+        through here, so none of them knows the layout."""
+        buf = self.keys if which == "k" else self.values
+        rank = len(self.k_shape)
+        rest = [1 + d for d in range(rank - 1) if d not in (self.seq_dim, self.head_dim)]
+        head = [1 + self.head_dim] if self.head_dim is not None else []
+        x = buf.permute(0, *head, *rest, 1 + self.seq_dim, rank)
+        if self.head_dim is None:
+            x = x.unsqueeze(1)
+        x = x.reshape(*x.shape[:2], -1, *x.shape[-2:])
+        return x if layer is None else x[layer]
 
-    def layer_values(self, layer: int) -> Tensor:
-        return self.values[layer]
+    def to_heads(self, x: Tensor) -> Tensor:
+        """A tensor in the layout of one layer's rows (``k_shape`` with any token count and,
+        for queries, a multiple of the heads) as ``[H, R, T, D]``, as :meth:`head_view` lays
+        out the buffers (a view where the layout allows)."""
+        rank = len(self.k_shape)
+        rest = [d for d in range(rank - 1) if d not in (self.seq_dim, self.head_dim)]
+        head = [self.head_dim] if self.head_dim is not None else []
+        x = x.permute(*head, *rest, self.seq_dim, rank - 1)
+        if self.head_dim is None:
+            x = x.unsqueeze(0)
+        return x.reshape(x.shape[0], -1, *x.shape[-2:])
 
     @property
     def nbytes(self) -> int:
@@ -310,22 +340,18 @@ class KVStorage:
         for buf, d, m in zip(bufs, dims, moved):
             buf.narrow(d, dst, n).copy_(m)
 
-    def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
-        """``layer``'s ``"k"`` / ``"v"`` rows at ``slots`` (a copy, token dim at ``seq_dim``)."""
-        buf = self.keys[layer] if which == "k" else self.values[layer]
-        return buf.index_select(self.seq_dim, slots)
-
     # ----------------------------------------------------------- recall slots
     def write_recall(self, layer: int, head: int, slots: list[int], k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Put ``n`` recalled tokens of one head in recall slots ``slots`` (``n`` indices counted
-        from the first recall slot): ``k``/``v`` shaped like the layer's rows of that head with the
-        token dim first (``[n, other dims..., D]``), ``positions [n]``."""
+        from the first recall slot): ``k``/``v`` ``[n, R, D]`` (``R`` as in :meth:`head_view`),
+        ``positions [n]``. Only the recall owner (``recall_owner``, one certifier) calls it."""
         if self.head_dim is None or len(slots) != positions.numel() or any(
                 not 0 <= s < self.recall_slots for s in slots):
             raise ValueError(f"recall slots {slots} outside [0, {self.recall_slots}), or no head dim")
         idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
-        self.keys[layer].permute(self._perm)[idx, head] = k
-        self.values[layer].permute(self._perm)[idx, head] = v
+        kd, vd = self.keys[layer].permute(self._perm), self.values[layer].permute(self._perm)
+        kd[idx, head] = k.reshape(len(slots), *kd.shape[2:])
+        vd[idx, head] = v.reshape(len(slots), *vd.shape[2:])
         self.positions[layer, head, idx] = positions
 
     def clear_recall(self, layer: int, head: int, slots: list[int]) -> None:

@@ -1,20 +1,22 @@
 """KV caches: storage plus a slot policy, one chunk lifecycle, observers.
 
-- :class:`KVCache` (:mod:`.cache`) and the named kinds (:mod:`.kinds`): ``RingCache``,
-  ``ChronologicalCache``, ``MassBudgetCache``, ``H2OCache``, ``TOVACache``;
+- :class:`KVCache` (:mod:`.cache`) and the named kinds derived from the policy registry
+  (:mod:`.kinds`: ``RingCache``, ``TOVACache``, ... and ``CACHE_KINDS``);
 - :class:`KVRead` (:mod:`.read`): what attention reads, decided by the cache in one place;
-- :class:`CacheObserver`, :class:`EvictionEvent` (:mod:`.observers`);
+- :class:`Lifecycle` (:mod:`.lifecycle`): where the stream stands, the read generation;
+- :class:`CacheObserver`, :class:`Change`, :class:`EvictionEvent` (:mod:`.observers`);
 - :class:`CacheSpec` (:mod:`.spec`) and :class:`CacheSet` (:mod:`.cacheset`).
 """
 
-from .cache import MAX_POSITION, KVCache, LayerView, Transition
+from .cache import MAX_POSITION, KVCache, LayerView
 from .cacheset import CacheSet
 from .kinds import CACHE_KINDS, ChronologicalCache, H2OCache, MassBudgetCache, RingCache, TOVACache
-from .observers import CacheObserver, EvictionEvent
+from .lifecycle import Lifecycle
+from .observers import CacheObserver, Change, EvictionEvent
 from .read import KVRead
 from .spec import CacheSpec
 
 __all__ = [
-    "KVCache", "LayerView", "Transition", "KVRead", "CacheObserver", "EvictionEvent", "CacheSpec", "CacheSet",
+    "KVCache", "LayerView", "Lifecycle", "KVRead", "CacheObserver", "Change", "EvictionEvent", "CacheSpec", "CacheSet",
     "RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "TOVACache", "CACHE_KINDS", "MAX_POSITION",
 ]

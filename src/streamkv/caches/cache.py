@@ -1,43 +1,21 @@
 """``KVCache``: storage + a slot policy + the chunk lifecycle + observers.
 
-A cache holds the K/V of ``num_layers`` attention layers (one allocation) and walks the
-stream chunk by chunk::
+The chunk loop, the vocabulary (position, slot, span, chunk) and the plan/apply phases are
+told once, in ``docs/ARCHITECTURE.md``. This class composes the parts, each in its own
+module and talking through methods: :class:`~streamkv.storage.KVStorage` (buffers, positions,
+plan), a :class:`~streamkv.policies.SlotPolicy`, :class:`~.lifecycle.Lifecycle` (the host
+counters and the read generation), :class:`~.checks.InputChecks`, :class:`~.reads.Reads`,
+:class:`~.state.StateDicts`, and the observers (:mod:`.observers`).
 
-    cache.begin_chunk(c)                    # host: reserve the chunk's slots (advance or reopen)
-    for step in denoising_steps + [clean]:  # every pass rewrites the same slots
-        for i in layers:
-            read = cache.layer(i).update(k, v, q)   # write, hand q to the policy, what to attend to
-            out, info = attend(q, read)
-    cache.commit_chunk(c)                   # host: the chunk becomes history (scored policies evict)
+Rejected calls raise ``TypeError`` / ``ValueError`` / ``RuntimeError`` naming the constraint and
+the value, and leave the cache and its observers exactly as they were. Graph safety:
+``write``/``update`` read their destination from device tensors and change no host state;
+``begin_*`` / ``commit*`` / ``reset`` / ``load_state_dict`` are host-side plans (call them
+outside any captured region). Window caches never synchronise; a scored commit does once.
 
-``begin_chunk(c)`` accepts the next chunk (``c == next_chunk``: advance, which may evict) or the
-last one again (``c == next_chunk - 1``: reuse its slots, as flashdreams' ``before_update``).
-A chunk is a *span* of ``chunk`` positions; streams whose steps differ in length (an LLM's
-prefill chunks, then one token per decoding step) open spans of ``1 <= n <= chunk`` tokens
-with ``begin_tokens(n)`` and close them with ``commit()``: chunk ``c`` is the span
-``[c * chunk, (c + 1) * chunk)``.
-
-The kinds (``RingCache``, ``ChronologicalCache``, ``MassBudgetCache``, ``H2OCache``,
-``TOVACache``) are this class with a fixed policy (:mod:`streamkv.policies`); they share
-every method and every attribute's meaning: ``slot_positions`` is ``int64 [L, H, S]`` for all.
-
-Rejected calls raise ``TypeError`` / ``ValueError`` / ``RuntimeError`` naming the constraint
-and the value, and leave the cache exactly as it was: every check (shapes, dtype, device,
-layout, memory overlap with the cache's own buffers, autograd and inference-mode state,
-lifecycle) runs before the first byte changes, and K and V are written together or not at
-all. Observers are told of a change before it happens (see :mod:`.observers`).
-
-The class is split by concern: this module holds construction, the lifecycle and observers;
-:mod:`.reads` what can be read, :mod:`.state` state dicts, :mod:`.checks` input validation.
-Why one module for the rest: begin, write and commit are one state machine over the same host
-counters, plans and announcements; split further, each half would read the other's internals.
-
-Graph safety: ``write``/``update`` read their destination from device tensors and change no
-host state, so a CUDA graph captured for one chunk writes a later chunk's slots on replay
-(``graph_safe_writes``; not the chronological path, whose offset is a host int while it
-fills). ``begin_chunk`` / ``commit_chunk`` / ``reset`` are host-side plans: call them outside
-any captured region. Window caches never synchronise with the device; a scored policy's
-commit synchronises once.
+Why one module: it is the cache's public surface (lifecycle, writes, reads, state dicts,
+observers), and most of it is the documentation of that surface; each method hands the call
+to the part that owns the work in a line or two.
 """
 
 from __future__ import annotations
@@ -49,33 +27,21 @@ import torch
 from torch import Tensor
 
 from ..layout import CacheLayout
-from ..policies import SlotPolicy, make_policy
-from ..policies.base import Step
-from ..storage import KVStorage, check_int
+from ..policies import SlotPolicy, Step, make_policy
+from ..storage import KVStorage
+from ..validate import check_int
 from .checks import InputChecks
-from .observers import CacheObserver, EvictionEvent, EvictionListener
+from .lifecycle import Lifecycle
+from .layer import LayerView
+from .observers import CacheObserver, Change, EvictionEvent, EvictionListener, Observers
 from .read import KVRead, Occupancy
-from .reads import ReadPaths
+from .reads import Reads
 from .state import MAX_POSITION, StateDicts
 
-__all__ = ["KVCache", "LayerView", "Transition", "MAX_POSITION"]
+__all__ = ["KVCache", "LayerView", "MAX_POSITION"]
 
 
-class Transition:
-    """A change of a cache that has been checked, planned and announced to its observers,
-    and that :meth:`apply` makes (it cannot fail). Groups prepare every member first, then
-    apply them all: all or nothing."""
-
-    __slots__ = ("_apply",)
-
-    def __init__(self, apply: Callable[[], None]) -> None:
-        self._apply = apply
-
-    def apply(self) -> None:
-        self._apply()
-
-
-class KVCache(ReadPaths, StateDicts, InputChecks):
+class KVCache:
     """K/V storage for ``num_layers`` layers, a slot policy and the chunk lifecycle.
 
     Args:
@@ -84,9 +50,8 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         v_shape: one layer's value buffer; equal to ``k_shape`` except (possibly) the last dim.
         seq_dim: the token (slot) dim of ``k_shape``; may be negative; not the last (features).
         sink, window, chunk: sizes in tokens (:class:`~streamkv.layout.CacheLayout`).
-        policy: a name (``"ring"``, ``"chronological"``, ``"mass"``, ``"h2o"``, ``"tova"``), a
-            policy class or instance; the named kinds fix it. ``**policy_params`` go to its
-            constructor (``tau=0.05``, ``budget=96``).
+        policy: a name in :data:`~streamkv.policies.POLICIES`, a policy class or instance; the
+            named kinds fix it. ``**policy_params`` go to its constructor (``tau=0.05``).
         num_layers: layers stored; buffers are ``[num_layers, *k_shape]``.
         head_dim: the head dim of ``k_shape`` (default: the last dim that is neither tokens nor
             features); per-head policies keep one slot set per head.
@@ -96,7 +61,8 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         buffers: optional preallocated ``(K, V)`` of shapes ``[num_layers, *k_shape]`` (seq
             extent ``sink + window + recall_slots``) to use instead of allocating.
 
-    Buffers are allocated once; their ``data_ptr()`` never changes.
+    Buffers are allocated once; their ``data_ptr()`` never changes. The policy's
+    ``cache_properties`` (``budget``, ``tau``, ``wraps``, ...) read through the cache.
     """
 
     #: the policy of a named kind (None: pass ``policy=``)
@@ -126,33 +92,31 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
             policy = self.kind
         elif self.kind is not None:
             raise TypeError(f"{type(self).__name__} fixes its policy ({self.kind!r}); use KVCache(..., policy=...)")
-        layout = CacheLayout(sink=check_int("sink", sink), window=check_int("window", window),
-                             chunk=check_int("chunk", chunk))
+        layout = CacheLayout(sink=sink, window=window, chunk=chunk)
         pol = make_policy(policy, **policy_params)
         pol.check_layout(layout)
         self.layout = layout
         self.policy = pol
-        self.storage = KVStorage(
+        self.storage = st = KVStorage(
             k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
             buffers=buffers,
         )
-        pol.bind(self.storage, layout)
-        st = self.storage
+        self.lifecycle = Lifecycle(layout, st.device)
+        pol.bind(st, layout, self.lifecycle)
         self.k_shape, self.v_shape, self.seq_dim, self.head_dim = st.k_shape, st.v_shape, st.seq_dim, st.head_dim
         self.num_layers, self.dtype, self.device = st.num_layers, st.dtype, st.device
-        self._inference_buffers = st.keys.is_inference()  # torch lets them change only in inference mode
-        # positions of the open (or last) chunk's rows, on the device: causal masks read them
-        self._arange_c = torch.arange(layout.chunk, dtype=torch.long, device=st.device)
-        self._chunk_positions = self._arange_c.clone()
-        # host state: the only Python ints of the lifecycle
-        self._end = 0  # positions that have entered the stream (the open span included)
-        self._span = 0  # rows of the open (or last) span: it is [end - span, end)
-        self._open = False  # a span is open (read by write(): a plain bool, stable under compile)
-        self._observers: list[CacheObserver] = []
-        # reads of the current lifecycle state, by (layer, occupancy): a read changes only
-        # when begin/commit/reset/load does, so the per-pass cost is a dict lookup
-        self._reads: dict[tuple[int, str], KVRead] = {}
+        self.checks = InputChecks(st, layout, self.lifecycle, pol)
+        self.reads = Reads(st, layout, self.lifecycle, pol, self.checks)
+        self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks)
+        self._observers = Observers(self)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: the policy's declared read-only properties
+        policy = self.__dict__.get("policy")
+        if policy is not None and name in type(policy).cache_properties:
+            return getattr(policy, name)
+        raise AttributeError(f"{type(self).__name__!r} ({self.name if policy else '?'} cache) has no attribute {name!r}")
 
     # ================================================================ capabilities
     @property
@@ -173,7 +137,7 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
 
     @property
     def needs_queries(self) -> bool:
-        """The policy scores tokens with the chunk's queries (see :meth:`LayerView.update`)."""
+        """The policy scores tokens with the span's queries (see :meth:`LayerView.update`)."""
         return self.policy.needs_queries
 
     @property
@@ -184,7 +148,7 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
     @property
     def valid_is_prefix(self) -> bool:
         """The occupied slots are always ``[0, num_valid)``."""
-        return not self.per_head and not self.storage.recall_slots
+        return self.checks.valid_is_prefix
 
     # ================================================================ lifecycle
     def begin_chunk(self, chunk_idx: int) -> None:
@@ -201,105 +165,97 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
             ValueError: ``chunk_idx`` is neither the next nor the current chunk; the stream
                 is not at a chunk boundary; it would pass :data:`MAX_POSITION`.
         """
-        self.prepare_begin(chunk_idx).apply()
+        self.prepare_begin(chunk_idx).run()
 
     def begin_tokens(self, n: int) -> None:
         """Open a span of the next ``n`` positions (``1 <= n <= chunk``), e.g. a prefill
         chunk or one decoded token; ``commit()`` closes it. Otherwise as :meth:`begin_chunk`."""
+        self.prepare_begin_tokens(n).run()
+
+    def prepare_begin(self, chunk_idx: int) -> Step:
+        """Check, plan and let the observers veto ``begin_chunk(chunk_idx)``; nothing changes
+        until the returned step runs (:meth:`~streamkv.policies.Step.run`)."""
+        advance = self.check_begin(chunk_idx)
+        return self._prepare_begin(check_int("chunk_idx", chunk_idx) * self.layout.chunk, self.layout.chunk, advance)
+
+    def prepare_begin_tokens(self, n: int) -> Step:
+        """As :meth:`prepare_begin`, for ``begin_tokens(n)``."""
         n = check_int("n", n)
         if not 1 <= n <= self.layout.chunk:
             raise ValueError(f"a span holds 1 to chunk={self.layout.chunk} tokens, got n={n}")
-        self._check_can_begin(f"begin_tokens({n})")
-        self._prepare(self._end, n, True).apply()
-
-    def prepare_begin(self, chunk_idx: int) -> Transition:
-        """Check, plan and announce ``begin_chunk(chunk_idx)``; nothing changes until the
-        returned transition is applied."""
-        advance = self.check_begin(chunk_idx)
-        return self._prepare(check_int("chunk_idx", chunk_idx) * self.layout.chunk, self.layout.chunk, advance)
-
-    def _prepare(self, start: int, n: int, advance: bool) -> Transition:
-        if advance and start + n > MAX_POSITION:
+        self.checks.can_begin(f"begin_tokens({n})")
+        start = self.lifecycle.end
+        if start + n > MAX_POSITION:
             raise ValueError(f"positions [{start}, {start + n}) would pass 2**53 ({MAX_POSITION}): start a new stream")
-        step = self.policy.begin(start, n, advance)
+        return self._prepare_begin(start, n, True)
+
+    def _prepare_begin(self, start: int, n: int, advance: bool) -> Step:
+        plan = self.policy.begin(start, n, advance)
         chunk_idx = start // self.layout.chunk
-        self._announce(chunk_idx, "begin", step)
-        for obs in self._observers:
-            obs.on_begin(self, chunk_idx, advance)
+        change = Change(self, "begin", chunk_idx, (start, n), advance, self._observers.eviction(chunk_idx, "begin", plan))
+        actions = self._observers.prepare(change)
 
         def apply() -> None:
-            step.apply()
-            self._chunk_positions.fill_(start).add_(self._arange_c)
-            self._end, self._span, self._open = start + n, n, True
-            self._reads.clear()
+            plan.apply()
+            self.lifecycle.begin(start, n)
 
-        return Transition(apply)
-
-    def _check_can_begin(self, what: str) -> None:
-        self._check_mutable(what)
-        if self._open:
-            raise RuntimeError(f"{self._open_name()} is still open: call {self._commit_call()} before {what}")
+        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
 
     def check_begin(self, chunk_idx: int) -> bool:
         """Raise as ``begin_chunk(chunk_idx)`` would; else True for an advance, False for a
         reopen. Changes nothing."""
         chunk_idx = check_int("chunk_idx", chunk_idx)
-        self._check_can_begin(f"begin_chunk({chunk_idx})")
-        C = self.layout.chunk
-        if self._end % C:
+        self.checks.can_begin(f"begin_chunk({chunk_idx})")
+        C, lc = self.layout.chunk, self.lifecycle
+        if lc.end % C:
             raise ValueError(
-                f"the stream is at position {self._end}, not at a chunk boundary (chunk={C}): begin_chunk needs whole "
+                f"the stream is at position {lc.end}, not at a chunk boundary (chunk={C}): begin_chunk needs whole "
                 f"chunks; continue with begin_tokens(n) or reset"
             )
-        nxt = self._end // C
+        nxt = lc.end // C
         if chunk_idx == nxt:
             if (nxt + 1) * C > MAX_POSITION:
                 raise ValueError(f"chunk {nxt} would pass position 2**53 ({MAX_POSITION}): start a new stream (reset)")
             return True
-        if chunk_idx == nxt - 1 and chunk_idx >= 0 and self._span == C:
+        if chunk_idx == nxt - 1 and chunk_idx >= 0 and lc.span == C:
             return False
-        allowed = f"the next chunk ({nxt})" + (f" or the current one ({nxt - 1})" if nxt and self._span == C else "")
+        allowed = f"the next chunk ({nxt})" + (f" or the current one ({nxt - 1})" if nxt and lc.span == C else "")
         raise ValueError(f"chunk_idx must be {allowed}, got {chunk_idx}")
 
     def write(self, k: Tensor, v: Tensor, layer: int | None = None) -> None:
-        """Copy the open chunk's K/V of ``layer`` into its reserved slots, in place.
+        """Copy the open span's K/V of ``layer`` into its reserved slots, in place.
 
-        May be called any number of times between ``begin_chunk`` and ``commit_chunk`` (the
-        denoising steps, then the clean pass); each call replaces the chunk's previous K/V.
-
-        Args:
-            k: ``k_shape`` with ``chunk`` at ``seq_dim``; the cache's dtype and device.
-            v: ``v_shape`` with ``chunk`` at ``seq_dim``.
-            layer: which layer; may be omitted when ``num_layers == 1``.
-
-        Safe under CUDA graph capture and ``torch.compile``: the destination is read from
-        device tensors and no host state changes.
+        May be called any number of times between begin and commit (the denoising steps, then
+        the clean pass); each call replaces the span's previous K/V. ``k``: ``k_shape`` with the
+        span's rows at ``seq_dim``, the cache's dtype and device; ``v`` likewise; ``layer`` may
+        be omitted when ``num_layers == 1``. Safe under CUDA graph capture and
+        ``torch.compile``: the destination is read from device tensors, no host state changes.
         """
-        layer = self._check_layer(layer)
-        self._check_write(k, v)
+        layer = self.checks.layer(layer)
+        self.checks.write(k, v)
         self._write(layer, k, v)
 
     def _write(self, layer: int, k: Tensor, v: Tensor) -> None:
-        for obs in self._observers:
-            obs.on_write(self, layer, k, v)
         self.storage.write(layer, k, v)
         if self.policy.needs_queries:
             self.policy.on_write(layer)
+        for obs in self._observers.members:
+            obs.on_write(self, layer, k, v)
 
     def update(self, k: Tensor, v: Tensor, q: Tensor | None = None, *, layer: int | None = None,
                occupancy: Occupancy | None = None) -> KVRead:
-        """Write the chunk's K/V of ``layer``, hand its queries ``q`` (in the layout of the K
-        chunk; more heads for grouped-query attention) to the policy and the observers, and
+        """Write the span's K/V of ``layer``, hand its queries ``q`` (in the layout of the K
+        rows; more heads for grouped-query attention) to the policy and the observers, and
         return what to attend to (:meth:`read`). One call per attention from the model."""
-        layer = self._check_layer(layer)
-        self._check_write(k, v)
+        layer = self.checks.layer(layer)
+        self.checks.write(k, v)
         if q is not None:
-            self._check_queries(q)
-        read_occ = self._check_occupancy(occupancy)
+            self.checks.queries(q)
+        read_occ = self.checks.occupancy(occupancy, self.reads.occupancy)
         self._write(layer, k, v)
         if q is not None:
             self._deliver_queries(layer, q)
-        return self._read(layer, read_occ)
+        return self.reads.read(layer, read_occ)
 
     def observe_queries(self, q: Tensor, *, layer: int | None = None) -> None:
         """Hand the open span's queries of ``layer`` to the policy and the observers *after* its
@@ -307,64 +263,53 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         the K/V (transformers calls ``cache.update(k, v)`` before its attention function sees
         the queries). Call it before attending: an observer may change what the read holds
         (certified recall fills the recall slots here)."""
-        layer = self._check_layer(layer)
-        if not self._open:
+        layer = self.checks.layer(layer)
+        if not self.lifecycle.is_open:
             raise RuntimeError("observe_queries() needs an open span: call begin_chunk / begin_tokens and write first")
-        self._check_queries(q)
+        self.checks.queries(q)
         self._deliver_queries(layer, q)
 
     def _deliver_queries(self, layer: int, q: Tensor) -> None:
         if self.policy.needs_queries:
             self.policy.take_queries(layer, q)
-        for obs in self._observers:
+        for obs in self._observers.members:
             obs.on_queries(self, layer, q)
 
     def commit_chunk(self, chunk_idx: int) -> None:
         """Make the open chunk history (host side). A scored policy evicts here (and
         synchronises once); it refuses, changing nothing, if a layer's queries never arrived
-        or its attention statistics are not finite.
-
-        It does not check that the chunk was written: the write may live in a replayed CUDA
-        graph that the host never sees.
-        """
-        self.prepare_commit(chunk_idx).apply()
+        or its statistics are not finite. It does not check that the chunk was written: the
+        write may live in a replayed CUDA graph that the host never sees."""
+        self.prepare_commit(chunk_idx).run()
 
     def commit(self) -> None:
         """Make the open span history (:meth:`commit_chunk` for spans of any length)."""
-        self._check_open_for("commit()")
-        self._prepare_commit().apply()
+        self.checks.is_open_for("commit()")
+        self._prepare_commit().run()
 
-    def prepare_commit(self, chunk_idx: int) -> Transition:
-        """Check, plan and announce ``commit_chunk(chunk_idx)``; nothing changes until the
-        returned transition is applied."""
+    def prepare_commit(self, chunk_idx: int) -> Step:
+        """Check, plan and let the observers veto ``commit_chunk(chunk_idx)``; nothing changes
+        until the returned step runs."""
         self.check_commit(chunk_idx)
         return self._prepare_commit()
 
-    def _prepare_commit(self) -> Transition:
-        start, n = self._end - self._span, self._span
-        step = self.policy.commit(start, n)
+    def _prepare_commit(self) -> Step:
+        start, n = self.lifecycle.start, self.lifecycle.span
+        plan = self.policy.commit(start, n) or Step()
         chunk_idx = start // self.layout.chunk
-        self._announce(chunk_idx, "commit", step)
-        for obs in self._observers:
-            obs.on_commit(self, chunk_idx)
+        change = Change(self, "commit", chunk_idx, (start, n), eviction=self._observers.eviction(chunk_idx, "commit", plan))
+        actions = self._observers.prepare(change)
 
         def apply() -> None:
-            if step is not None:
-                step.apply()
-            self._open = False
-            self._reads.clear()
+            plan.apply()
+            self.lifecycle.close()
 
-        return Transition(apply)
-
-    def _check_open_for(self, what: str) -> None:
-        self._check_mutable(what)
-        if not self._open:
-            raise RuntimeError(f"{what} with nothing open: call begin_chunk(chunk_idx) or begin_tokens(n) first")
+        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
 
     def check_commit(self, chunk_idx: int) -> None:
         """Raise as ``commit_chunk(chunk_idx)`` would for lifecycle reasons. Changes nothing."""
         chunk_idx = check_int("chunk_idx", chunk_idx)
-        self._check_open_for(f"commit_chunk({chunk_idx})")
+        self.checks.is_open_for(f"commit_chunk({chunk_idx})")
         if self.open_chunk is None:
             raise ValueError(f"commit_chunk({chunk_idx}): the open span {self.open_span} is not a whole chunk; "
                              f"use commit()")
@@ -374,67 +319,156 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
     def reset(self) -> None:
         """Forget the stream: every slot empty and zeroed (no stale value can reach an output),
         next chunk 0. Buffers are kept (same ``data_ptr``)."""
-        self._check_mutable("reset")
-        for obs in self._observers:
-            obs.on_reset(self)
-        self.storage.zero_()
-        self.policy.reset()
-        self._end, self._span, self._open = 0, 0, False
-        self._reads.clear()
+        self.prepare_reset().run()
 
-    def _announce(self, chunk_idx: int, at: str, step: Step | None) -> None:
-        if self._observers and step is not None and step.evicted is not None:
-            event = EvictionEvent(self, chunk_idx, at, step.evicted(), step.evicted_slots, step.info or {})
-            for obs in self._observers:
-                obs.on_evict(event)
+    def prepare_reset(self) -> Step:
+        """Check and let the observers veto :meth:`reset`; nothing changes until the step runs."""
+        self.checks.mutable("reset")
+        change = Change(self, "reset")
+        actions = self._observers.prepare(change)
 
-    # ================================================================ reading
+        def apply() -> None:
+            self.storage.zero_()
+            self.policy.reset()
+            self.lifecycle.reset()
+
+        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+
+    # ================================================================ where the stream is
+    @property
+    def end(self) -> int:
+        """Positions that have entered the stream, the open span included."""
+        return self.lifecycle.end
+
     @property
     def next_chunk(self) -> int:
         """Index that ``begin_chunk`` will advance to (the stream's whole chunks so far)."""
-        return self._end // self.layout.chunk
+        return self.lifecycle.next_chunk
 
     @property
     def open_chunk(self) -> int | None:
         """The chunk between ``begin_chunk`` and ``commit_chunk`` (None when nothing is open,
         or the open span is not a whole chunk)."""
-        if not self._open or self._span != self.layout.chunk or self._end % self.layout.chunk:
-            return None
-        return self._end // self.layout.chunk - 1
+        return self.lifecycle.open_chunk
 
     @property
     def is_open(self) -> bool:
         """A chunk or span is open (between begin and commit)."""
-        return self._open
+        return self.lifecycle.is_open
 
     @property
     def open_span(self) -> tuple[int, int] | None:
         """``(start, n)`` of the open span (positions ``[start, start + n)``), or None."""
-        return (self._end - self._span, self._span) if self._open else None
+        return self.lifecycle.open_span
 
     @property
     def last_span(self) -> tuple[int, int] | None:
-        """``(start, n)`` of the open or last span (a whole chunk can be reopened only if the
-        last span was one), or None when nothing has entered the stream."""
-        return (self._end - self._span, self._span) if self._end else None
+        """``(start, n)`` of the open or last span, or None when nothing has entered the stream."""
+        return self.lifecycle.last_span
+
+    # ================================================================ reading
+    @property
+    def num_valid(self) -> int:
+        """Occupied slots of the ``sink + window`` the policy manages: the count for window
+        caches (host arithmetic), the most of any (layer, head) for per-head ones (synchronises)."""
+        return self.reads.num_valid
+
+    def occupancy(self, static: bool = False) -> Occupancy:
+        """How a read treats empty slots now (host decision): ``"all"`` when a window cache is
+        full, ``"prefix"`` while it fills, ``"mask"`` for per-head caches and recall slots.
+        ``static=True`` (compiled steps, CUDA graphs: shapes must not change): ``"mask"``
+        instead of ``"prefix"``."""
+        return self.reads.occupancy(static)
+
+    def check_occupancy(self, occupancy: Occupancy) -> None:
+        """Raise ``ValueError`` unless a read with ``occupancy`` is exact now (host counters)."""
+        self.checks.check_occupancy(occupancy)
 
     @property
-    def end(self) -> int:
-        """Positions that have entered the stream, the open span included."""
-        return self._end
+    def all_valid(self) -> bool:
+        """Every slot holds a retained token (``occupancy() == "all"``)."""
+        return self.occupancy() == "all"
 
-    def _open_name(self) -> str:
-        c = self.open_chunk
-        return f"chunk {c}" if c is not None else f"span {self.open_span}"
+    @property
+    def slot_positions(self) -> Tensor:
+        """Device ``int64 [num_layers, heads, slots]``: the position each slot holds per layer
+        and head (``-1`` empty); broadcast from one plan for window caches. Read-only view."""
+        return self.storage.slot_positions
 
-    def _commit_call(self) -> str:
-        c = self.open_chunk
-        return f"commit_chunk({c})" if c is not None else "commit()"
+    @property
+    def write_slots(self) -> Tensor:
+        """Device ``int64 [num_layers, heads, chunk]``: the slots of the open (or last) span's rows."""
+        return self.storage.write_slots
+
+    def layer_slot_positions(self, layer: int | None = None) -> Tensor:
+        """``int64 [heads, slots]``: ``slot_positions`` of one layer."""
+        return self.storage.layer_positions(self.checks.layer(layer))
+
+    def keys(self, layer: int | None = None) -> Tensor:
+        """The physical key buffer of ``layer`` (a view of the storage)."""
+        return self.storage.keys[self.checks.layer(layer)]
+
+    def values(self, layer: int | None = None) -> Tensor:
+        """The physical value buffer of ``layer`` (a view of the storage)."""
+        return self.storage.values[self.checks.layer(layer)]
+
+    def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
+        """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).
+        ``occupancy`` (default :meth:`occupancy`) may be forced to ``"mask"`` for static shapes;
+        ``"all"``/``"prefix"`` where they would read an empty slot are refused (``ValueError``).
+        The read is valid until the next begin, commit, reset or load."""
+        layer = self.checks.layer(layer)
+        return self.reads.read(layer, self.checks.occupancy(occupancy, self.reads.occupancy))
+
+    @property
+    def chronological_refusal(self) -> str | None:
+        """Why this cache has no chronological view (masks over it, cache-relative RoPE), or
+        None when it has one."""
+        return self.reads.chronological_refusal
+
+    def chronological_keys(self, layer: int | None = None) -> Tensor:
+        """Retained keys in position order, ``[sinks | window]`` (a gathered copy). Refused
+        (``ValueError``) where heads hold different positions."""
+        return self.reads.chronological_view(self.checks.layer(layer))[0]
+
+    def chronological_values(self, layer: int | None = None) -> Tensor:
+        """Retained values in position order (a gathered copy); refused as the keys are."""
+        return self.reads.chronological_view(self.checks.layer(layer))[1]
+
+    # ================================================================ state dicts
+    def config(self) -> dict[str, Any]:
+        """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
+        return self.states.config()
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the cache's whole state: host counters and *copies* of every tensor
+        (so a state taken now restores this moment even after the stream moves on). Refused
+        (``RuntimeError``) for a cache with recall slots: their contents belong to an observer."""
+        return self.states.state_dict()
+
+    def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:
+        """Raise as ``load_state_dict(state)`` would for the cache's own reasons; else return
+        ``(end, span, open)``. Changes nothing (observers are asked in :meth:`prepare_load`)."""
+        return self.states.validate(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` into the existing buffers (copies).
+        Everything is validated first (kind, policy, layout, shapes, dtype, every tensor, the
+        counters against the layout arithmetic, the slot positions against the counters, the
+        policy's statistics) and the observers may veto; a rejected state changes nothing."""
+        self.prepare_load(state).run()
+
+    def prepare_load(self, state: dict[str, Any]) -> Step:
+        """Validate ``state`` and let the observers veto the load; nothing changes until the step runs."""
+        counters = self.states.validate(state)
+        change = Change(self, "load", state=state)
+        actions = self._observers.prepare(change)
+        return Step(lambda: self.states.load(state, counters), then=(lambda: self._observers.tell(change, actions),))
 
     # ================================================================ handles, report
     def layer(self, layer: int) -> LayerView:
         """A handle on one layer: what an attention module needs."""
-        return LayerView(self, self._check_layer(layer))
+        return LayerView(self, self.checks.layer(layer))
 
     @property
     def nbytes(self) -> int:
@@ -462,80 +496,25 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
 
     # ================================================================ observers
     def add_observer(self, observer: CacheObserver) -> CacheObserver:
-        """Tell ``observer`` of every change from now on (see :mod:`.observers`); returns it."""
-        if not isinstance(observer, CacheObserver):
-            raise TypeError(f"observer must be a CacheObserver, got {type(observer).__name__}")
-        if any(o is observer for o in self._observers):
-            raise ValueError("this observer already watches this cache")
-        self._observers.append(observer)
-        return observer
+        """Tell ``observer`` of every change from now on (see :mod:`.observers`); returns it.
+        The observer may refuse (``on_attach``), e.g. a certifier on a cache that evicted."""
+        return self._observers.add(observer)
 
     def remove_observer(self, observer: CacheObserver) -> None:
-        for i, o in enumerate(self._observers):
-            if o is observer:
-                del self._observers[i]
-                return
-        raise ValueError("this observer does not watch this cache")
+        self._observers.remove(observer)
 
     def add_eviction_listener(self, listener: Callable[[EvictionEvent], None]) -> CacheObserver:
-        """Call ``listener(event)`` before tokens leave (an observer with ``on_evict`` only)."""
-        return self.add_observer(EvictionListener(listener))
+        """Call ``listener(event)`` once tokens have left (an observer with ``on_evict`` only)."""
+        return self._observers.add(EvictionListener(listener))
 
     @property
     def observers(self) -> tuple[CacheObserver, ...]:
-        return tuple(self._observers)
-
+        return tuple(self._observers.members)
 
     def __repr__(self) -> str:
         L = self.layout
         return (
             f"{type(self).__name__}(policy={self.policy!r}, sink={L.sink}, window={L.window}, chunk={L.chunk}, "
             f"k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, num_layers={self.num_layers}, "
-            f"dtype={self.dtype}, device={self.device}, end={self._end}, open_span={self.open_span})"
+            f"dtype={self.dtype}, device={self.device}, end={self.end}, open_span={self.open_span})"
         )
-
-
-class LayerView:
-    """One layer of a cache: what an attention module holds. No state of its own; the
-    lifecycle (begin/commit/reset) stays on the cache."""
-
-    __slots__ = ("cache", "index")
-
-    def __init__(self, cache: KVCache, index: int) -> None:
-        self.cache = cache
-        self.index = index
-
-    def update(self, k: Tensor, v: Tensor, q: Tensor | None = None, *, occupancy: Occupancy | None = None) -> KVRead:
-        """Write ``k``/``v``, hand ``q`` to the policy and observers, return what to attend to
-        (:meth:`KVCache.update`)."""
-        return self.cache.update(k, v, q, layer=self.index, occupancy=occupancy)
-
-    def write(self, k: Tensor, v: Tensor) -> None:
-        self.cache.write(k, v, layer=self.index)
-
-    def observe_queries(self, q: Tensor) -> None:
-        """Queries after the write (:meth:`KVCache.observe_queries`)."""
-        self.cache.observe_queries(q, layer=self.index)
-
-    def read(self, occupancy: Occupancy | None = None) -> KVRead:
-        return self.cache.read(self.index, occupancy)
-
-    def keys(self) -> Tensor:
-        return self.cache.keys(self.index)
-
-    def values(self) -> Tensor:
-        return self.cache.values(self.index)
-
-    @property
-    def slot_positions(self) -> Tensor:
-        """``int64 [heads, slots]``."""
-        return self.cache.layer_slot_positions(self.index)
-
-    def chronological_keys(self) -> Tensor:
-        return self.cache.chronological_keys(self.index)
-
-    def chronological_values(self) -> Tensor:
-        return self.cache.chronological_values(self.index)
-
-    def __repr__(self) -> str:
-        return f"LayerView({self.cache.name}, layer={self.index})"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..policies import Step
 from .cache import KVCache, LayerView
 from .spec import CacheSpec
 
@@ -112,21 +113,17 @@ class CacheSet:
 
     def begin_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
         """``begin_chunk`` on every (or the named) branch; all or nothing."""
-        for t in [cache.prepare_begin(chunk_idx) for cache in self._select(branches)]:
-            t.apply()
+        _run_all([cache.prepare_begin(chunk_idx) for cache in self._select(branches)])
 
     def commit_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
         """``commit_chunk`` on every (or the named) branch; all or nothing (a branch that
         refuses, e.g. non-finite statistics, leaves every branch open and unchanged)."""
-        for t in [cache.prepare_commit(chunk_idx) for cache in self._select(branches)]:
-            t.apply()
+        _run_all([cache.prepare_commit(chunk_idx) for cache in self._select(branches)])
 
     def reset(self, branches: Iterable[str] | None = None) -> None:
-        caches = self._select(branches)
-        for cache in caches:
-            cache._check_mutable("reset")
-        for cache in caches:
-            cache.reset()
+        """``reset`` on every (or the named) branch; all or nothing (an observer of one branch
+        that vetoes leaves every branch as it was)."""
+        _run_all([cache.prepare_reset() for cache in self._select(branches)])
 
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -134,14 +131,27 @@ class CacheSet:
         return {name: cache.state_dict() for name, cache in self._caches.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load every branch; all validated before any is loaded."""
+        """Load every branch; all validated (and vetted by the observers) before any is loaded."""
         if not isinstance(state, dict) or set(state) != set(self.branches):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state dict must have branches {sorted(self.branches)}, got {got}")
-        for name in self.branches:
-            self[name].validate_state(state[name])
-        for name in self.branches:
-            self[name].load_state_dict(state[name])
+        _run_all([self[name].prepare_load(state[name]) for name in self.branches])
 
     def __repr__(self) -> str:
         return f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers})"
+
+
+def _run_all(steps: list[Step]) -> None:
+    """Apply every prepared step, then tell every member's observers (a failure there is
+    raised once all were told; every change stands)."""
+    for step in steps:
+        step.apply()
+    failures = []
+    for step in steps:
+        for fn in step.then:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001  (re-raised below)
+                failures.append(exc)
+    if failures:
+        raise failures[0]

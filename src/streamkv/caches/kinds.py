@@ -1,79 +1,32 @@
-"""The named cache kinds: :class:`~streamkv.caches.cache.KVCache` with a fixed policy.
-
-They add no behaviour and change no contract; a few read-only properties name what their
-policy keeps (``wraps``, ``write_start``, ``tau``, ``budget``, ``accumulated``).
-"""
+"""The named cache kinds, derived from :data:`streamkv.policies.POLICIES` (the one list of
+kinds): for every policy ``P`` a class ``PCache`` that is :class:`~streamkv.caches.cache.KVCache`
+with ``policy=P`` fixed. They add no behaviour: ``TOVACache(...)`` and
+``KVCache(..., policy="tova")`` are the same cache (``.budget`` reads the same on both)."""
 
 from __future__ import annotations
 
-from torch import Tensor
-
+from ..policies import POLICIES
 from .cache import KVCache
 
-__all__ = ["RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "TOVACache", "CACHE_KINDS"]
+__all__ = ["CACHE_KINDS", "RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "TOVACache"]
 
 
-class RingCache(KVCache):
-    """Circular storage with pinned sinks: a new chunk overwrites the oldest window slots in
-    place; nothing retained ever moves (:class:`~streamkv.policies.Ring`)."""
-
-    kind = "ring"
-
-    @property
-    def wraps(self) -> int:
-        """Times the write cursor has passed the end of the ring."""
-        return self.layout.ring_wraps(self.end)
+def _named(name: str) -> type[KVCache]:
+    policy = POLICIES[name]
+    doc = (policy.__doc__ or "").strip().split("\n")[0]
+    return type(f"{policy.__name__}Cache", (KVCache,), {
+        "kind": name, "__module__": __name__,
+        "__doc__": f"{doc} :class:`~streamkv.caches.KVCache` with ``policy={name!r}`` "
+                   f"(:class:`~streamkv.policies.{policy.__name__}`).",
+    })
 
 
-class ChronologicalCache(KVCache):
-    """The current path: the window in position order, rolled left on overflow
-    (:class:`~streamkv.policies.Chronological`)."""
+#: Cache classes by kind name, one per entry of :data:`~streamkv.policies.POLICIES`.
+CACHE_KINDS: dict[str, type[KVCache]] = {name: _named(name) for name in POLICIES}
 
-    kind = "chronological"
-
-    @property
-    def write_start(self) -> int:
-        """First slot of the open (or last) chunk: its slots are ``[write_start, write_start + chunk)``."""
-        return self.storage.write_start
-
-
-class MassBudgetCache(KVCache):
-    """Per head, evict within a mass budget ``tau`` (:class:`~streamkv.policies.MassBudget`);
-    ``tau=`` is required."""
-
-    kind = "mass"
-
-    @property
-    def tau(self) -> float:
-        return self.policy.tau
-
-
-class H2OCache(KVCache):
-    """Per head, a budget of accumulated-attention heavy hitters (:class:`~streamkv.policies.H2O`)."""
-
-    kind = "h2o"
-
-    @property
-    def budget(self) -> int:
-        return self.policy.budget
-
-    @property
-    def accumulated(self) -> Tensor:
-        """Device ``float64 [num_layers, heads, capacity]``: each slot's accumulated attention."""
-        return self.policy.accumulated
-
-
-class TOVACache(KVCache):
-    """Per head, a budget of the tokens the newest chunk attends to most (:class:`~streamkv.policies.TOVA`)."""
-
-    kind = "tova"
-
-    @property
-    def budget(self) -> int:
-        return self.policy.budget
-
-
-#: Cache classes by kind name (the names of :data:`streamkv.policies.POLICIES`).
-CACHE_KINDS: dict[str, type[KVCache]] = {
-    cls.kind: cls for cls in (RingCache, ChronologicalCache, MassBudgetCache, H2OCache, TOVACache)
-}
+# the names the README and user code import (every other kind: CACHE_KINDS[name])
+RingCache = CACHE_KINDS["ring"]
+ChronologicalCache = CACHE_KINDS["chronological"]
+MassBudgetCache = CACHE_KINDS["mass"]
+H2OCache = CACHE_KINDS["h2o"]
+TOVACache = CACHE_KINDS["tova"]

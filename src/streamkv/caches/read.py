@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
 
 __all__ = ["KVRead", "Occupancy"]
 
@@ -57,6 +60,9 @@ class KVRead:
             dequantised, raw keys rotated): ``attend`` then reads the cache a block of slots
             at a time (:func:`~streamkv.scoring.key_blockwise_attention`) and never builds a
             dense copy of the whole history.
+        generation, lifecycle: the cache lifecycle generation the read was made in; a read kept
+            across a begin, commit, reset or load is refused (:meth:`check_current`). None in a
+            compiled step (traced reads are rebuilt every call).
     """
 
     keys: Tensor
@@ -72,9 +78,16 @@ class KVRead:
     chronological: Callable[[], tuple[Tensor, Tensor, list[int]]] | None
     chronological_refusal: str | None
     scorer: Callable[[Tensor, Tensor], None] | None
-    bias_fn: Callable[[Tensor, torch.dtype], Tensor]
+    bias_fn: Callable[..., Tensor]
     name: str
     load: Callable[[int, int], tuple[Tensor, Tensor]] | None = None
+    generation: int | None = None
+    lifecycle: Lifecycle | None = None
+
+    def check_current(self) -> None:
+        """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made."""
+        if self.lifecycle is not None and not torch.compiler.is_compiling():
+            self.lifecycle.check_current(self.generation, f"this read of {self.name}")
 
     def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """The additive bias over the slots read (``-inf`` on empty ones), broadcastable
@@ -89,12 +102,4 @@ class KVRead:
         ``p`` sees the occupied slots holding positions ``<= p`` (exact in physical order:
         the mask is a function of positions, not of where they lie). ``query_positions``:
         ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
-        pos = self.positions[:, : self.visible]  # [H, S]
-        hidden = (pos.unsqueeze(-2) < 0) | (pos.unsqueeze(-2) > query_positions.view(-1, 1))  # [H, Q, S]
-        bias = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
-        lead = self.keys.dim() - 2
-        shape = [1] * lead + list(bias.shape[-2:])
-        if self.head_axis is None:
-            return bias[0].view(shape)
-        shape[self.head_axis] = bias.shape[0]
-        return bias.view(shape)
+        return self.bias_fn(self.positions[:, : self.visible], dtype, query_positions)

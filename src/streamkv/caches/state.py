@@ -1,6 +1,5 @@
 """State dicts of a cache: a snapshot of everything (copies), and a load that validates every
-field against the layout arithmetic before anything is copied (mixed into
-:class:`~streamkv.caches.KVCache`)."""
+field against the layout arithmetic before anything is copied."""
 
 from __future__ import annotations
 
@@ -9,7 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..storage import check_int
+from ..layout import CacheLayout
+from ..policies import SlotPolicy
+from ..storage import KVStorage
+from ..validate import check_int
+from .checks import InputChecks
+from .lifecycle import Lifecycle
 
 __all__ = ["StateDicts", "MAX_POSITION"]
 
@@ -18,21 +22,26 @@ MAX_POSITION = 2**53
 
 
 class StateDicts:
-    """``state_dict`` / ``load_state_dict`` / ``validate_state`` of a cache."""
+    """``state_dict`` / ``validate`` / ``load`` of one cache."""
+
+    def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
+                 checks: InputChecks) -> None:
+        self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
 
     def config(self) -> dict[str, Any]:
         """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
+        st = self.storage
         return {
-            "kind": self.name,
+            "kind": self.policy.name,
             "layout": (self.layout.sink, self.layout.window, self.layout.chunk),
             "policy": self.policy.params(),
-            "k_shape": self.k_shape,
-            "v_shape": self.v_shape,
-            "seq_dim": self.seq_dim,
-            "head_dim": self.head_dim,
-            "num_layers": self.num_layers,
-            "recall_slots": self.storage.recall_slots,
-            "dtype": str(self.dtype),
+            "k_shape": st.k_shape,
+            "v_shape": st.v_shape,
+            "seq_dim": st.seq_dim,
+            "head_dim": st.head_dim,
+            "num_layers": st.num_layers,
+            "recall_slots": st.recall_slots,
+            "dtype": str(st.dtype),
         }
 
     def _tensors(self) -> dict[str, Tensor]:
@@ -51,34 +60,27 @@ class StateDicts:
                 "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
                 "(streamkv.certify) whose summaries and offload store are not serialised"
             )
+        lc = self.lifecycle
         return {
             **self.config(),
-            "end": self._end,
-            "span": self._span,
-            "open": self._open,
+            "end": lc.end,
+            "span": lc.span,
+            "open": lc.is_open,
             **{name: t.detach().clone() for name, t in self._tensors().items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into the existing buffers (copies).
-
-        Everything is validated first (:meth:`validate_state`): the kind, policy, layout,
-        shapes and dtype; every tensor's shape, dtype and layout; the lifecycle counters
-        against the layout arithmetic; the slot positions against the counters. A rejected
-        state changes nothing.
-        """
-        end, span, is_open = self.validate_state(state)
+    def load(self, state: dict[str, Any], counters: tuple[int, int, bool]) -> None:
+        """Copy a validated ``state`` in (``counters`` from :meth:`validate`); cannot fail."""
+        end, span, is_open = counters
         for name, t in self._tensors().items():
             t.copy_(state[name])
-        self._end, self._span, self._open = end, span, is_open
-        self._chunk_positions.fill_(end - span).add_(self._arange_c)
-        self._reads.clear()
+        self.lifecycle.restore(end, span, is_open)
         self.policy.after_load(end, span)
 
-    def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:
+    def validate(self, state: dict[str, Any]) -> tuple[int, int, bool]:
         """Raise as ``load_state_dict(state)`` would; else return ``(end, span, open)`` as exact
         Python values. Changes nothing."""
-        self._check_mutable("load_state_dict")
+        self.checks.mutable("load_state_dict")
         if self.storage.recall_slots:
             raise RuntimeError("a cache with recall slots does not load state dicts (see state_dict)")
         if not isinstance(state, dict):

@@ -1,7 +1,6 @@
 """``Certifier``: an observer that certifies every attention step of a cache, and recalls.
 
-Attach one to any cache (ring, chronological, mass, H2O, TOVA); it changes nothing the
-cache keeps or evicts::
+Attach one to any cache before it evicts; it changes nothing the cache keeps or evicts::
 
     caches = CacheSet("ring", spec, recall_slots=64)          # recall slots: a storage option
     cert = Certifier(caches["cond"], recall_tau=0.05)          # observes the cache
@@ -9,27 +8,31 @@ cache keeps or evicts::
     out, _ = attend(q, read)                                   # kept + recalled tokens
     cert.last[i]                                               # the step's Certificate
 
-- ``on_evict``: every evicted ``(token, head)`` is summarised per layer in block summaries
-  (:class:`~streamkv.certify.summary.BlockSummaries`) and its K/V offloaded to the host
-  (:class:`~streamkv.certify.store.OffloadStore`), before its slot changes. For window
-  caches the evicted slots are host arithmetic (``event.shared_slots``): no device read.
+- Evictions: in ``prepare`` the evicted ``(token, head)`` pairs are gathered (the cache still
+  holds them); once the change is applied they are summarised per layer (block boxes,
+  :class:`~streamkv.certify.summary.BlockSummaries`, or key sketches,
+  :class:`~streamkv.certify.sketch.KeySketch`) and offloaded to the host
+  (:class:`~streamkv.certify.store.OffloadStore`). An eviction that is vetoed or refused
+  leaves no trace. For window caches the evicted slots are host arithmetic: no device read.
 - ``on_queries`` (between the write and attention): the step's
-  :class:`~streamkv.certify.bound.Certificate`, on the device, without a host sync; with
-  recall (``recall_tau`` set and the cache built with ``recall_slots``), the evicted blocks
-  contributing most to the bound are copied back from the host into the storage's recall
-  slots until every query's ``m_hat <= recall_tau`` (or the slots run out: a *shortfall*).
-  Recall needs one host sync per step (the host chooses what to copy).
+  :class:`~streamkv.certify.bound.Certificate` on the device, without a host sync; with recall
+  (``recall_tau``, a cache built with ``recall_slots``), the evicted blocks contributing most
+  to the bound are copied back into the recall slots until every query's ``m_hat <=
+  recall_tau`` (or the slots run out: a *shortfall*). Recall needs one host sync per step.
 
-Recalled tokens hold their real positions; a recalled block stays until its slots are needed
-(blocks recalled in earlier chunks are released first) or its summary set is regrouped or
-merged; then it returns to the evicted set (its K/V never left the store, so nothing moves).
+Preconditions, refused with the reason: the cache has not evicted yet (a late attach would
+miss tokens); one recall owner per cache's recall slots, and recall slots only where a
+certifier recalls; key sketches only for caches of at most float32 (the sketch's precision);
+a certifier is attached once (a detached one refuses to certify); a cache it watches refuses
+``load_state_dict`` (the certifier's state is not in the state dict). If recording an
+applied eviction fails (the host store out of memory), the certifier refuses to certify
+until the cache is reset. Scope: RoPE applied before the write (the keys stored are the keys
+attention uses); the bound is in exact arithmetic over the stored K/V
+(:mod:`streamkv.certify.bound`), not the attention kernel's rounding nor an earlier
+eviction's drift into later layers' inputs. Eager only (observers run on the host).
 
-Scope: the ``[B, T, H, D]`` layout (``seq_dim=1``, heads at dim 2) with RoPE applied before
-the write (the keys stored are the keys attention uses). The certificate bounds the eviction
-error of the step in exact arithmetic over the stored K/V (:mod:`streamkv.certify.bound`); it
-says nothing about the attention kernel's own rounding, nor about the drift an earlier
-eviction causes in later layers' inputs. Eager execution only (observers run on the host).
-Caches with recall slots refuse state dicts (the summaries and the store are not serialised).
+Why one module: the observer hooks, the certificate and recall share one piece of state, the
+per-(layer, head) bookkeeping of recalled blocks and free recall slots.
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..caches import CacheObserver, CacheSet, EvictionEvent, KVCache
 from ..budget.mass import check_tau
-from ..storage import check_int
+from ..caches import CacheObserver, CacheSet, Change, EvictionEvent, KVCache
+from ..scoring import fold_groups
+from ..storage import position_bias
+from ..validate import check_int, check_real
 from .bound import Certificate, certify
 from .sketch import KeySketch
 from .store import OffloadStore
 from .summary import BlockSummaries
 
-__all__ = ["Certifier", "CertificateMonitor", "attach", "fold_queries"]
+__all__ = ["Certifier", "CertificateMonitor", "attach"]
 
 
 class CertificateMonitor(Protocol):
@@ -61,9 +66,10 @@ class Certifier(CacheObserver):
     """Summaries, offload, a certificate per attention step, and recall, for one cache.
 
     Args:
-        cache: the cache to watch (``[B, T, H, D]`` layout).
+        cache: the cache to watch (any layout with a head dim; ``R`` below is the product of
+            the other leading dims, e.g. the batch).
         recall_tau: recall until every query's ``m_hat <= recall_tau`` (None: never recall);
-            needs a cache built with ``recall_slots > 0``.
+            needs a cache built with ``recall_slots > 0`` that no other certifier recalls into.
         box_dtype, events_per_block, pool_events, block_tokens, max_blocks: summary options
             (:class:`~streamkv.certify.summary.BlockSummaries`).
         sketch_bits: 8 or 4: summarise every evicted key by a per-token sketch
@@ -72,7 +78,7 @@ class Certifier(CacheObserver):
         causal: the attention is position-causal (``attend(..., causal=True)``: an LLM's prefill
             chunks): a query sees the kept keys at positions up to its own. Without it every
             query of a span sees the whole span (video chunks).
-        scale: the attention softmax scale (default ``1/sqrt(D)``, as ``attend``).
+        scale: the attention softmax scale (a finite number > 0; default ``1/sqrt(D)``, as ``attend``).
     """
 
     def __init__(
@@ -91,24 +97,45 @@ class Certifier(CacheObserver):
     ) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
-        if len(cache.k_shape) != 4 or cache.seq_dim != 1 or cache.head_dim != 2:
-            raise ValueError(
-                f"certified caches need the [B, T, H, D] layout (rank 4, seq_dim=1, head_dim=2), got k_shape="
-                f"{cache.k_shape} seq_dim={cache.seq_dim} head_dim={cache.head_dim}"
-            )
         st = cache.storage
+        if st.head_dim is None:
+            raise ValueError(f"certified caches need a head dimension, got k_shape={cache.k_shape}")
         if recall_tau is not None:
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots == 0:
                 raise ValueError("recall_tau needs a cache with recall_slots > 0 (room to bring evicted tokens back)")
-        B, _, H, D = cache.k_shape
+        elif st.recall_slots and not any(isinstance(o, Certifier) and o.recall_tau is not None for o in cache.observers):
+            raise ValueError(
+                f"the cache has {st.recall_slots} recall slots and this certifier does not recall (recall_tau=None): "
+                f"nothing would fill them; pass recall_tau or build the cache without recall_slots"
+            )
+        if sketch_bits is not None:
+            if sketch_bits not in (4, 8) or isinstance(sketch_bits, bool):
+                raise ValueError(f"sketch_bits must be 8 or 4, got {sketch_bits!r}")
+            if torch.finfo(cache.dtype).bits > 32:
+                raise ValueError(
+                    f"key sketches hold float32 scales and exact float32 keys: a {cache.dtype} cache's keys would be "
+                    f"rounded and its certificates could fall below the truth; certify it with block boxes "
+                    f"(sketch_bits=None) or store float32"
+                )
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+        for name, value, lo in (("events_per_block", events_per_block, 1), ("block_tokens", block_tokens, 1)):
+            check_int(name, value, lo)
+        for name, value in (("pool_events", pool_events), ("max_blocks", max_blocks)):
+            if value is not None:
+                check_int(name, value, 1)
+        if box_dtype is not None and (not isinstance(box_dtype, torch.dtype) or not box_dtype.is_floating_point):
+            raise TypeError(f"box_dtype must be a floating-point torch.dtype or None, got {box_dtype!r}")
+        H, D = st.heads, cache.k_shape[-1]
+        R = st.head_view("k", 0).shape[1]
         self.cache, self.storage = cache, st
         self.recall_tau = recall_tau
-        self.batch, self.heads, self.D, self.Dv = B, H, D, cache.v_shape[-1]
-        self.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        self.batch, self.heads, self.D, self.Dv = R, H, D, cache.v_shape[-1]
+        self.scale = 1.0 / math.sqrt(D) if scale is None else check_real("scale", scale, positive=True)
         if sketch_bits is None:
             self.summaries = [
-                BlockSummaries(batch=B, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device,
+                BlockSummaries(batch=R, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device,
                                key_dtype=cache.dtype, value_dtype=cache.dtype, box_dtype=box_dtype,
                                events_per_block=events_per_block, pool_events=pool_events,
                                block_tokens=block_tokens, max_blocks=max_blocks)
@@ -116,18 +143,20 @@ class Certifier(CacheObserver):
             ]
         else:
             self.summaries = [
-                KeySketch(batch=B, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device, bits=sketch_bits,
+                KeySketch(batch=R, heads=H, head_dim=D, value_dim=self.Dv, device=cache.device, bits=sketch_bits,
                           block_tokens=block_tokens, value_dtype=cache.dtype)
                 for _ in range(cache.num_layers)
             ]
         self.sketch_bits = sketch_bits
-        self.causal = bool(causal)
+        self.causal = causal
         self.store = OffloadStore(cache.device)
         self.monitors: list[CertificateMonitor] = []
         self.last: list[Certificate | None] = [None] * cache.num_layers
         self._recalled: list[list[dict[tuple[int, int], tuple[list[int], int]]]] = []
         self._free: list[list[list[int]]] = []
         self.stats: dict[str, int] = {}
+        self.attached = False
+        self.broken: str | None = None  # why certificates cannot be trusted (an applied eviction not recorded)
         self._clear()
         cache.add_observer(self)
 
@@ -146,14 +175,56 @@ class Certifier(CacheObserver):
         self.monitors.append(monitor)
 
     # ------------------------------------------------------------ observer hooks
-    def on_reset(self, cache: KVCache) -> None:
+    def on_attach(self, cache: KVCache) -> None:
+        if self.attached:
+            raise ValueError("a certifier is attached once: build a new one (this one would have missed evictions)")
+        st = cache.storage
+        held = (st.slot_positions[..., : st.capacity] >= 0).sum(-1)  # [L, H]: one sync, at attach
+        if cache.end and int(held.min()) < cache.end:
+            raise ValueError(
+                f"the cache has already evicted (it holds as few as {int(held.min())} of the {cache.end} positions "
+                f"that entered a head): a certifier attached now would miss them and undercount; attach it before "
+                f"the first eviction (or reset the cache)"
+            )
+        if self.recall_tau is not None:
+            if st.recall_owner is not None:
+                raise ValueError("another certifier recalls into this cache's recall slots: one recall owner per cache")
+            st.recall_owner = self
+        self.attached = True
+
+    def on_detach(self, cache: KVCache) -> None:
+        if self.storage.recall_owner is self:
+            self.storage.recall_owner = None
+        self.broken = "it was detached from its cache (it no longer sees evictions)"
+
+    def prepare(self, change: Change):
+        if change.what == "load":
+            raise RuntimeError(
+                "a certified cache does not load state dicts: the certifier's summaries and offload store are not in "
+                "the state dict, so its certificates would undercount; build a new cache and certifier"
+            )
+        if change.what == "reset":
+            return self._reset
+        if self.broken is not None:
+            raise RuntimeError(f"this cache's certifier cannot be trusted ({self.broken}): reset the cache")
+        if change.eviction is not None:
+            captured = self._capture(change.eviction)
+            return lambda: self._record(captured)
+        return None
+
+    def _reset(self) -> None:
         for s in self.summaries:
             s.reset()
         self.store.reset()
         self._clear()
+        if self.attached and self.storage.recall_owner is self:
+            self.broken = None
 
-    def on_evict(self, event: EvictionEvent) -> None:
+    def _capture(self, event: EvictionEvent) -> list[tuple]:
+        """The evicted ``(token, head)`` pairs of every layer, gathered while the cache still
+        holds them (device tensors; nothing of this certifier changes)."""
         st, cap = self.storage, self.storage.capacity
+        out = []
         for layer in range(self.cache.num_layers):
             if event.shared_slots is not None:  # every head loses the same slots: host-known rows
                 rows = torch.tensor(event.shared_slots, dtype=torch.long, device=self.cache.device)
@@ -166,31 +237,39 @@ class Certifier(CacheObserver):
                 counts = mask.sum(-1).tolist()
             if rows.numel() == 0:
                 continue
-            positions = st.layer_positions(layer).index_select(1, rows)  # [H, n]
-            k = st.keys[layer].index_select(1, rows)  # [B, n, H, D]
-            v = st.values[layer].index_select(1, rows)
-            eid = self.store.next_id(layer)
+            positions = event.positions[layer].index_select(1, rows)  # [H, n]
+            k = st.head_view("k", layer).index_select(2, rows).transpose(0, 1)  # [R, H, n, D]
+            v = st.head_view("v", layer).index_select(2, rows).transpose(0, 1)
             # the store keeps exactly the evicted (token, head) pairs, head-major
             if event.shared_slots is not None:  # every head evicts every row: a reshape, no device read
-                B, n, H = k.shape[:3]
-                pk, pv = k.transpose(1, 2).reshape(B, H * n, -1), v.transpose(1, 2).reshape(B, H * n, -1)
-                pp = positions.reshape(-1)
+                R, H, n = k.shape[:3]
+                pk, pv, pp = k.reshape(R, H * n, -1), v.reshape(R, H * n, -1), positions.reshape(-1)
             else:
                 hh, rr = mask.nonzero(as_tuple=True)
-                pk, pv, pp = k[:, rr, hh], v[:, rr, hh], positions[hh, rr]
-            self.store.put(layer, eid, pk, pv, pp, _offsets(counts))
-            labels = self.summaries[layer].add(
-                eid, k.transpose(1, 2), v.transpose(1, 2), mask,
-                keys_of=lambda events, layer=layer: self.store.keys_of(layer, events),
-                invalidate=lambda uids, layer=layer: self._invalidate(layer, uids),
-            )
-            if self.sketch_bits is not None:  # one token per "block": the store finds it by its label
-                self.store.set_labels(layer, eid, labels, mask)
+                pk, pv, pp = k[:, hh, rr], v[:, hh, rr], positions[hh, rr]
+            out.append((layer, k, v, mask, pk, pv, pp, counts))
+        return out
+
+    def _record(self, captured: list[tuple]) -> None:
+        """Summarise and offload an applied eviction (see :meth:`_capture`)."""
+        try:
+            for layer, k, v, mask, pk, pv, pp, counts in captured:
+                eid = self.store.next_id(layer)
+                self.store.put(layer, eid, pk, pv, pp, _offsets(counts))
+                labels = self.summaries[layer].add(
+                    eid, k, v, mask,
+                    keys_of=lambda events, layer=layer: self.store.keys_of(layer, events),
+                    invalidate=lambda uids, layer=layer: self._invalidate(layer, uids),
+                )
+                if self.sketch_bits is not None:  # one token per "block": the store finds it by its label
+                    self.store.set_labels(layer, eid, labels, mask)
+        except BaseException as exc:
+            self.broken = f"recording an applied eviction failed: {type(exc).__name__}: {exc}"
+            raise
 
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
-        if q.shape[2] % self.heads:
-            raise ValueError(f"certified attention needs a multiple of the {self.heads} key heads as query heads, "
-                             f"got {q.shape[2]}")
+        if self.broken is not None:
+            raise RuntimeError(f"this certifier cannot certify: {self.broken}")
         cert = self.certificate(layer, q, keep_contrib=self.recall_tau is not None)
         self.stats["steps"] += 1
         if self.recall_tau is not None:
@@ -201,25 +280,32 @@ class Certifier(CacheObserver):
 
     # --------------------------------------------------------------- certificate
     def certificate(self, layer: int, q: Tensor, *, keep_contrib: bool = False) -> Certificate:
-        """The certificate of attention of ``q [B, n, Hq, D]`` (the open span's queries; ``Hq`` a
-        multiple of the key heads) over ``layer``'s slots now (device work, no sync). Per key
-        head, the rows are the query heads it serves times the span's queries
-        (:func:`fold_queries`)."""
+        """The certificate of attention of ``q`` (the open span's queries in the layout of the
+        cache's rows; a multiple of the key heads) over ``layer``'s slots now (device work, no
+        sync). Per key head, the rows are the query heads it serves times the span's queries
+        (:meth:`query_rows`)."""
+        if self.broken is not None:
+            raise RuntimeError(f"this certifier cannot certify: {self.broken}")
         s, st = self.summaries[layer], self.storage
         pos = st.layer_positions(layer)  # [H, S]
-        hidden = pos < 0
-        qh = fold_queries(q, self.heads)  # [B, H, G*n, D]
+        qh = self.query_rows(q)  # [R, H, G*n, D]
+        qpos = None
         if self.causal:  # a query at position p sees the kept keys at positions <= p
-            qpos = torch.arange(*self.cache.open_span[0:1], self.cache.end, device=pos.device)
+            qpos = self.cache.lifecycle.query_positions()
             qpos = qpos.repeat(qh.shape[2] // qpos.numel())  # the rows are (group, query) pairs
-            hidden = hidden.unsqueeze(1) | (pos.unsqueeze(1) > qpos.view(1, -1, 1))  # [H, G*n, S]
-        else:
-            hidden = hidden.unsqueeze(1)
-        bias = torch.zeros(hidden.shape, dtype=torch.float64, device=pos.device).masked_fill_(hidden, -math.inf)
+        bias = position_bias(pos, qpos, torch.float64)  # [H, G*n or 1, S]
         lo, hi = s.boxes()
-        return certify(qh, st.keys[layer].transpose(1, 2), st.values[layer].transpose(1, 2),
+        return certify(qh, st.head_view("k", layer).transpose(0, 1), st.head_view("v", layer).transpose(0, 1),
                        bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
                        n_tokens=self.cache.end, keep_contrib=keep_contrib)
+
+    def query_rows(self, q: Tensor) -> Tensor:
+        """``q`` in the cache's row layout -> ``[R, H, G * n, D]``: the query heads each key head
+        serves (query head ``h`` reads key head ``h // G``) as rows ``(group, query)``."""
+        if q.shape[self.storage.head_dim] % self.heads:
+            raise ValueError(f"certified attention needs a multiple of the {self.heads} key heads as query heads, "
+                             f"got {q.shape[self.storage.head_dim]}")
+        return fold_groups(self.storage.to_heads(q), self.heads, 0).transpose(0, 1)
 
     # -------------------------------------------------------------------- recall
     def recall_slots_in_use(self) -> int:
@@ -367,14 +453,6 @@ class Certifier(CacheObserver):
             "summary_blocks": sum(s.nb for s in self.summaries),
             "summary_merges": sum(s.merges for s in self.summaries),
         }
-
-
-def fold_queries(q: Tensor, heads: int) -> Tensor:
-    """``q [B, n, Hq, D]`` -> ``[B, H, (Hq / H) * n, D]``: the query heads each key head serves
-    (query head ``h`` reads key head ``h // (Hq / H)``, as transformers' ``repeat_kv``) laid
-    out as rows ``(group, query)``."""
-    B, n, Hq, D = q.shape
-    return q.transpose(1, 2).reshape(B, heads, (Hq // heads) * n, D)
 
 
 def attach(caches: CacheSet | KVCache, **options: Any) -> dict[str, Certifier] | Certifier:

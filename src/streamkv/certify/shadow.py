@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..caches import CacheObserver
+from ..storage import position_bias
 from .bound import Certificate
 
 __all__ = ["HistoryCheck", "StepRecord"]
@@ -103,6 +104,16 @@ class HistoryCheck(CacheObserver):
         self.seconds = 0.0  # host wall time spent checking (not the cache's cost)
 
     # ------------------------------------------------------------ observer API
+    def on_attach(self, cache) -> None:
+        if cache.end:
+            raise ValueError(f"a whole-history check must see the stream from its start; the cache is at {cache.end}")
+
+    def prepare(self, change):
+        if change.what == "load":
+            raise RuntimeError("a cache under a whole-history check does not load state dicts (the history would "
+                               "not match)")
+        return None
+
     def on_reset(self, cache) -> None:
         self._k.clear()
         self._v.clear()
@@ -130,7 +141,9 @@ class HistoryCheck(CacheObserver):
     def _record(self, cache, layer: int, k: Tensor, v: Tensor) -> None:
         start, n = cache.open_span
         need = start + n
+        st = cache.storage
         for store, t in ((self._k, k), (self._v, v)):
+            t = st.to_heads(t).permute(1, 2, 0, 3)  # [R, n, H, D]
             buf = store.get(layer)
             if buf is None or buf.shape[1] < need:
                 new = torch.zeros((t.shape[0], max(need, 2 * (0 if buf is None else buf.shape[1]), 64), *t.shape[2:]),
@@ -155,9 +168,7 @@ class HistoryCheck(CacheObserver):
         K = self._k[layer][:, :N].transpose(1, 2)  # [B, H, N, D] float64
         V = self._v[layer][:, :N].transpose(1, 2)
         B, H, _, _ = K.shape
-        from .certifier import fold_queries
-
-        qh = fold_queries(q, H).double()  # [B, H, G*Q, D]: rows (group, query)
+        qh = certifier.query_rows(q).double()  # [R, H, G*Q, D]: rows (group, query)
         Q = qh.shape[2]
         pos = cache.layer_slot_positions(layer)  # [H, S], recall slots included
         kept = torch.zeros((H, N + 1), dtype=torch.bool, device=K.device)
@@ -167,9 +178,8 @@ class HistoryCheck(CacheObserver):
             self._check_storage(cache, layer, pos, N)
         s = (qh @ K.transpose(-1, -2)) * certifier.scale  # [B, H, Q, N]
         if certifier.causal:  # full history for a query at position p: the keys at positions <= p
-            qpos = torch.arange(cache.open_span[0], cache.end, device=K.device)
-            qpos = qpos.repeat(Q // qpos.numel())
-            s = s.masked_fill(torch.arange(N, device=K.device).view(1, -1) > qpos.view(-1, 1), -math.inf)
+            qpos = cache.lifecycle.query_positions()
+            s = s + position_bias(torch.arange(N, device=K.device), qpos.repeat(Q // qpos.numel()), s.dtype)
         ninf = torch.tensor(-math.inf, dtype=torch.float64, device=K.device)
         keptb = kept.view(1, H, 1, N)
         sk = torch.where(keptb, s, ninf)
@@ -243,8 +253,8 @@ class HistoryCheck(CacheObserver):
         st.recall_in_use = max(st.recall_in_use, certifier.recall_slots_in_use())
 
     def _check_storage(self, cache, layer: int, pos: Tensor, N: int) -> None:
-        kx = cache.keys(layer).transpose(1, 2).double()  # [B, H, S, D]
-        vx = cache.values(layer).transpose(1, 2).double()
+        kx = cache.storage.head_view("k", layer).transpose(0, 1).double()  # [R, H, S, D]
+        vx = cache.storage.head_view("v", layer).transpose(0, 1).double()
         K = self._k[layer][:, :N].transpose(1, 2)
         V = self._v[layer][:, :N].transpose(1, 2)
         valid = pos >= 0  # [H, S]

@@ -4,7 +4,7 @@
 streamkv object it reaches (its storage, its policy, its observers such as a certifier and its
 summaries, nested caches), cloning every tensor and recording its ``data_ptr``;
 :func:`same_state` compares two snapshots (tensor data, addresses and dtypes; host values;
-foreign objects by identity). A cache's memo of its reads (``_reads``: derived views) is left out.
+foreign objects by identity). A cache's memo of its reads (``Reads._memo``: derived views) is left out.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def snapshot(obj: Any, _seen: set[int] | None = None) -> dict[str, Any]:
     """Every attribute of ``obj``, recursively (see the module docstring)."""
     seen = set() if _seen is None else _seen
     seen.add(id(obj))
-    return {name: _snap(value, seen) for name, value in sorted(vars(obj).items()) if name != "_reads"}
+    return {name: _snap(value, seen) for name, value in sorted(vars(obj).items()) if name != "_memo"}
 
 
 def _snap(value: Any, seen: set[int]) -> Any:

@@ -1,18 +1,9 @@
-"""Slot policies: which slots a chunk takes and which tokens leave.
+"""Slot policies: which slots a span takes and which tokens leave.
 
-=================  =========================================================  ==========
-name               what it keeps                                              plan
-=================  =========================================================  ==========
-``ring``           sinks + the last ``window`` tokens, overwritten in place  shared
-``chronological``  the same tokens in position order (the current path)      shared
-``mass``           per head, mass >= 1 - tau for the scoring chunk's queries  per head
-``h2o``            per head, a budget of accumulated-attention heavy hitters  per head
-``tova``           per head, a budget of the newest chunk's favourites       per head
-=================  =========================================================  ==========
-
-Adding a policy: subclass :class:`~streamkv.policies.scored.ScoredPolicy` (or
-:class:`~streamkv.policies.scored.FixedBudget`), define ``priority`` and ``wanted``, and
-register it in :data:`POLICIES` (see ``docs/ARCHITECTURE.md``).
+:data:`POLICIES` is the one list of cache kinds: the named cache classes, the CLI, the tests,
+the fuzzer and the lab experiments all iterate it (each policy's ``example_params`` say how to
+build an example). Adding a policy: one file in this package and one line below
+(``docs/ARCHITECTURE.md``, "How to add a policy").
 """
 
 from __future__ import annotations
@@ -21,19 +12,21 @@ from typing import Any
 
 from .base import SlotPolicy, Step
 from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import KNorm
 from .mass import MassBudget
-from .scored import FixedBudget, ScoredPolicy
+from .scored import FixedBudget, ScoredPolicy, Scores
 from .tova import TOVA
 from .window import Chronological, Ring
 
 __all__ = [
-    "SlotPolicy", "Step", "ScoredPolicy", "FixedBudget", "Ring", "Chronological", "MassBudget", "H2O", "TOVA",
-    "POLICIES", "make_policy",
+    "SlotPolicy", "Step", "ScoredPolicy", "FixedBudget", "Scores", "Ring", "Chronological", "MassBudget", "H2O",
+    "TOVA", "KNorm", "KeyDiff", "POLICIES", "make_policy", "example_policy",
 ]
 
-#: Policy classes by the name configs, the CLI and state dicts use.
+#: Policy classes by the name configs, the CLI and state dicts use: the one list of kinds.
 POLICIES: dict[str, type[SlotPolicy]] = {
-    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA)
+    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff)
 }
 
 
@@ -54,3 +47,9 @@ def make_policy(kind: str | SlotPolicy | type[SlotPolicy], **params: Any) -> Slo
         return kind(**params)
     except TypeError as exc:
         raise TypeError(f"{kind.__name__}: {exc}") from None
+
+
+def example_policy(name: str, **overrides: Any) -> dict[str, Any]:
+    """The constructor parameters of kind ``name``'s example (``example_params``), updated by
+    ``overrides`` (e.g. a budget that fits a test's layout)."""
+    return {**POLICIES[name].example_params, **overrides}

@@ -1,16 +1,10 @@
-"""What every slot policy answers: which slots a chunk takes, and which tokens leave.
+"""What every slot policy answers: which slots a span takes, and which tokens leave.
 
-A policy owns no K/V. It is bound to one :class:`~streamkv.storage.KVStorage` and writes
-only its slot metadata (``positions``, ``plan``, ``write_start``) and its own state. Every
-change comes in two phases, so that a cache (or a group of caches) can announce an
-eviction to its observers, or refuse, before anything changes::
-
-    step = policy.begin(start, n, advance)    # plan only: nothing visible changes
-    step.evicted()                            # bool [L, H, S]: what will leave (lazy)
-    step.apply()                              # the change; cannot fail
-
-and likewise ``policy.commit(start, n)`` (``None`` when the policy does nothing at commit).
-A span is ``n`` positions ``[start, start + n)``, ``1 <= n <= chunk`` (a whole chunk for video).
+A policy owns no K/V. It is bound to one :class:`~streamkv.storage.KVStorage` and writes only
+its slot metadata (``positions``, ``plan``, ``write_start``) and its own state. Every change
+is planned first and applied later (:class:`Step`), so a cache, or a group of caches, can
+refuse or let its observers veto before anything changes (``docs/ARCHITECTURE.md``, "One
+storage, small policies").
 """
 
 from __future__ import annotations
@@ -29,25 +23,41 @@ from ..storage import KVStorage
 __all__ = ["Step", "SlotPolicy"]
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Step:
-    """A planned change of a cache's slots. ``evicted`` is None when nothing leaves; else it
-    returns the device ``bool [L, H, S]`` mask of the slots whose tokens leave.
-    ``evicted_slots``: those slots as host ints, when every layer and head loses the same
-    ones and the policy knows them without reading the device (window policies). ``info``:
-    what the policy says about the eviction (scored policies: ``overflow`` bool ``[L, H]``,
-    ``dropped_mass_bound`` float64 ``[L, H]``)."""
+    """A planned change: checked and announced, not yet made. The one plan/apply type of the
+    project (a policy's plan, a cache's begin/commit/reset/load, a group's member).
 
-    apply: Callable[[], None]
+    ``apply()`` makes the change and cannot fail; ``then`` run after it (a cache tells its
+    observers there: they act only on changes that were applied). A group applies every
+    member, then runs every member's ``then``. A policy's step also says what leaves:
+    ``evicted()`` the device ``bool [L, H, S]`` mask (None: nothing leaves), ``evicted_slots``
+    those slots as host ints where every layer and head loses the same ones and the policy
+    knows them without a device read (window policies), ``info`` what the policy says about
+    the eviction (scored policies: ``overflow`` bool ``[L, H]``, ``dropped_mass_bound``
+    float64 ``[L, H]``)."""
+
+    apply: Callable[[], None] = _nothing
     evicted: Callable[[], Tensor] | None = None
     evicted_slots: tuple[int, ...] | None = None
     info: dict[str, Tensor] | None = None
+    then: tuple[Callable[[], None], ...] = ()
+
+    def run(self) -> None:
+        """``apply()``, then every ``then`` (an exception there comes after the change stood)."""
+        self.apply()
+        for fn in self.then:
+            fn()
 
 
 class SlotPolicy(abc.ABC):
-    """Base of the slot policies. Subclasses are small: see :mod:`streamkv.policies`.
+    """Base of the slot policies (see :mod:`streamkv.policies` for the registry).
 
-    Capabilities (class attributes) say what a cache built on the policy can promise:
+    Capabilities are class attributes: what a cache built on the policy can promise.
     """
 
     #: name in :data:`streamkv.policies.POLICIES` (``"ring"``, ``"mass"``, ...)
@@ -57,9 +67,15 @@ class SlotPolicy(abc.ABC):
     #: retains exactly ``[sinks | last window]``, the current path's tokens: attention over
     #: it equals the current path to rounding
     retains_window: ClassVar[bool] = True
-    #: the policy needs the queries of each chunk (``needs_queries``): they come from
+    #: the policy needs the queries of each span: they come from
     #: :func:`~streamkv.attention.attend` or from ``update(k, v, q)``
     needs_queries: ClassVar[bool] = False
+    #: constructor arguments that tests, the fuzzer and the lab use to build an example
+    #: (the one place a policy's example parameters are written)
+    example_params: ClassVar[dict[str, Any]] = {}
+    #: read-only attributes a cache forwards from its policy (``cache.budget``): the same
+    #: through ``KVCache(policy=...)`` and the named class
+    cache_properties: ClassVar[tuple[str, ...]] = ()
 
     storage: KVStorage
     layout: CacheLayout
@@ -71,9 +87,9 @@ class SlotPolicy(abc.ABC):
     def check_layout(self, layout: CacheLayout) -> None:
         """Raise ``ValueError`` if the policy cannot run on these sizes (before allocation)."""
 
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        """Attach to the storage; allocate device state (once)."""
-        self.storage, self.layout = storage, layout
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle: Any) -> None:
+        """Attach to the storage and the cache's lifecycle (read-only); allocate device state (once)."""
+        self.storage, self.layout, self.lifecycle = storage, layout, lifecycle
 
     @property
     def graph_safe_writes(self) -> bool:

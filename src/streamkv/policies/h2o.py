@@ -13,12 +13,14 @@ recent window; here the recent part is the protected newest chunk.)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..layout import CacheLayout
 from ..storage import KVStorage
-from .scored import FixedBudget
+from .scored import FixedBudget, Scores, check_scores
 
 __all__ = ["H2O"]
 
@@ -27,13 +29,15 @@ class H2O(FixedBudget):
     """Accumulated-attention heavy hitters; ``budget`` as :class:`~streamkv.policies.scored.FixedBudget`."""
 
     name = "h2o"
+    cache_properties = ("budget", "accumulated")
 
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        super().bind(storage, layout)
-        self.accumulated = torch.zeros_like(self._key_sum)  # [L, H, cap]
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
+        #: device ``float64 [num_layers, heads, capacity]``: each slot's accumulated attention
+        self.accumulated = torch.zeros_like(self._key_sum)
 
-    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
-        return torch.where(valid, self.accumulated + key_sum, 0.0)
+    def priority(self, scores: Scores) -> Tensor:
+        return torch.where(scores.valid, self.accumulated + scores.key_sum, 0.0)
 
     def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
         self.accumulated.copy_(torch.where(evict | ~valid, 0.0, priority))  # a leaving token's score leaves with it
@@ -47,3 +51,7 @@ class H2O(FixedBudget):
 
     def state(self) -> dict[str, Tensor]:
         return {**super().state(), "accumulated": self.accumulated}
+
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
+        super().check_state(state, end, span, is_open)
+        check_scores(f"state dict of a {self.name} cache at end={end}", "accumulated", state["accumulated"])

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from ..budget.mass import check_tau
-from .scored import ScoredPolicy
+from .scored import ScoredPolicy, Scores
 
 __all__ = ["MassBudget"]
 
@@ -32,16 +32,18 @@ class MassBudget(ScoredPolicy):
     """
 
     name = "mass"
+    example_params = {"tau": 0.2}
+    cache_properties = ("tau",)
 
-    def __init__(self, tau: float, *, protect_newest: bool = True, score_block: int = 256) -> None:
+    def __init__(self, tau: float, *, protect_newest: bool = True, score_block: int | None = None) -> None:
         super().__init__(protect_newest=protect_newest, score_block=score_block)
         self.tau = check_tau(tau)
 
     def params(self) -> dict[str, Any]:
         return {"tau": self.tau, **super().params()}
 
-    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
-        return key_max
+    def priority(self, scores: Scores) -> Tensor:
+        return scores.key_max
 
     def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
         return (sorted_priority.cumsum(-1) <= self.tau).sum(-1)  # inf (non-candidates) never counts

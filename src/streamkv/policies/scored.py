@@ -1,51 +1,77 @@
-"""The base of the scored policies: per-head slots, scores from the chunk's queries, and one
-place for selection and overflow accounting.
+"""The base of the scored policies: per-head slots, a :class:`Scores` object at every commit,
+and one place for selection and overflow accounting.
 
 Each (layer, head) holds its own set of positions (a per-head plan); sinks are pinned at
-slots ``[0, sink)`` of every head. Per chunk ``c``::
+slots ``[0, sink)`` of every head. ``begin`` gives each (layer, head) its lowest free window
+slots (nothing moves, nothing leaves); writes are an ``index_put_`` of (slot, head) pairs
+(graph-capturable); ``commit`` ranks the held tokens and evicts, per (layer, head).
 
-    begin(c)     device: each (layer, head) takes its lowest free window slots for the chunk's
-                 rows (sink rows go to their pinned slots); nothing moves, nothing is evicted
-    write        index_put_ of (slot, head) pairs (graph-capturable)
-    attention    the per-key statistics of the chunk's queries (``max_j = max_i p_ij``,
-                 ``sum_j = sum_i p_ij``, over every query of the chunk and the batch, ``p`` the
-                 softmax over the head's slots) come out of the model's own attention pass
-                 (:func:`~streamkv.attention.attend`); the last pass before the commit (the
-                 clean pass) is the one that counts. When attention ran elsewhere, the queries
-                 given to ``update(k, v, q)`` are scored at the commit instead (one more pass).
-    commit(c)    select and evict, per (layer, head); no retained token moves
+A subclass ranks the held tokens from a :class:`Scores` (:meth:`ScoredPolicy.priority`, lower
+leaves first; ties by the older position first) and says how many it wants gone
+(:meth:`ScoredPolicy.wanted`; :class:`FixedBudget` keeps a number per head). ``Scores`` carries
+the positions, the attention statistics of the span's queries when the policy needs them
+(``needs_queries``: ``max_j = max_i p_ij`` and ``sum_j = sum_i p_ij`` over the span's queries
+and the batch, from the model's own attention pass, or from the queries given to
+``update(k, v, q)`` scored at the commit), and lazy per-head views of the keys and values. The
+candidates are the held slots that are not sinks and (with ``protect_newest``) not the span
+just committed. If the wish leaves fewer than ``chunk`` free window slots for the next span,
+more go, in the same order: an *overflow*, counted per (layer, head).
 
-Selection (here, once for every subclass): the candidates are the occupied slots that are
-not sinks and (with ``protect_newest``) not the chunk just committed. A subclass orders them
-(:meth:`ScoredPolicy.priority`, lowest evicted first; ties by the older position first) and
-says how many it wants gone (:meth:`ScoredPolicy.wanted`). If that leaves fewer than
-``chunk`` free window slots for the next chunk, more go, in the same order: an *overflow*,
-counted per (layer, head), where a subclass's guarantee does not hold for that eviction.
-
-The commit refuses (``RuntimeError``, naming the layers and the chunk) when a layer's
-queries never arrived, and (``ValueError``) when the statistics are not finite; either way
-nothing changed. It synchronises with the device once.
-
-Scope of ``dropped_mass_bound`` (per (layer, head), the last commit): ``sum_{j evicted}
-max_j``, which bounds the mass any one query of the scoring chunk put on the evicted tokens.
+The commit refuses (``RuntimeError``, naming the layers and the chunk) when the policy needs
+queries and a layer's never arrived, and (``ValueError``) when the priorities are not
+finite; either way nothing changed. It synchronises with the device once.
+``dropped_mass_bound`` (per (layer, head), the last commit) is ``sum_{j evicted} max_j``: it
+bounds the mass any one query of the scoring span put on the evicted tokens.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..layout import CacheLayout
-from ..scoring import blockwise_attention, check_block, fold_groups
-from ..storage import KVStorage
+from ..scoring import blockwise_attention, fold_groups
+from ..storage import KVStorage, check_int
 from .base import SlotPolicy, Step
 
-__all__ = ["ScoredPolicy", "FixedBudget"]
+__all__ = ["ScoredPolicy", "FixedBudget", "Scores", "check_scores"]
 
 _BIG = torch.iinfo(torch.long).max
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a scored policy ranks at a commit: the held slots of every (layer, head).
+
+    Attributes:
+        positions: ``int64 [L, H, cap]``, the position each managed slot holds (``-1``: empty).
+        valid: ``bool [L, H, cap]``, the slot holds a token.
+        start, n: the span being committed, ``[start, start + n)``.
+        key_max, key_sum: ``float64 [L, H, cap]``, the attention statistics of the span's
+            queries (``max_i p_ij``, ``sum_i p_ij``); None for a policy that does not need
+            queries.
+    """
+
+    positions: Tensor
+    valid: Tensor
+    start: int
+    n: int
+    key_max: Tensor | None
+    key_sum: Tensor | None
+    storage: KVStorage
+
+    def keys(self) -> Tensor:
+        """The held keys per head, ``[L, H, R, cap, D]`` (``R``: the other leading dims, e.g.
+        the batch), a view of the storage where the layout allows (read-only)."""
+        return self.storage.head_view("k")[..., : self.storage.capacity, :]
+
+    def values(self) -> Tensor:
+        """The held values per head, ``[L, H, R, cap, Dv]`` (read-only)."""
+        return self.storage.head_view("v")[..., : self.storage.capacity, :]
 
 
 class ScoredPolicy(SlotPolicy):
@@ -54,18 +80,21 @@ class ScoredPolicy(SlotPolicy):
 
     Args:
         protect_newest: never evict the chunk just committed.
-        score_block: query rows per block when stored queries are scored at the commit.
+        score_block: query rows per block when stored queries are scored at the commit (only
+            for a policy that needs queries).
     """
 
     per_head = True
     retains_window = False
     needs_queries = True
 
-    def __init__(self, *, protect_newest: bool = True, score_block: int = 256) -> None:
+    def __init__(self, *, protect_newest: bool = True, score_block: int | None = None) -> None:
         if not isinstance(protect_newest, bool):
             raise TypeError(f"protect_newest must be a bool, got {type(protect_newest).__name__} {protect_newest!r}")
+        if score_block is not None and not self.needs_queries:
+            raise TypeError(f"the {self.name} policy scores keys, not queries: score_block does not apply")
         self.protect_newest = protect_newest
-        self.score_block = check_block(score_block)
+        self.score_block = check_int("score_block", 256 if score_block is None else score_block, 1)
 
     def params(self) -> dict[str, Any]:
         return {"protect_newest": self.protect_newest}
@@ -79,7 +108,7 @@ class ScoredPolicy(SlotPolicy):
             )
 
     # ------------------------------------------------------------- subclass hooks
-    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
+    def priority(self, scores: Scores) -> Tensor:
         """``[L, H, cap]`` eviction order: lower leaves first (only candidates are read)."""
         raise NotImplementedError
 
@@ -95,8 +124,8 @@ class ScoredPolicy(SlotPolicy):
         """Slots ``[L, H, C]`` that a (re)opened chunk takes."""
 
     # ------------------------------------------------------------------ binding
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        super().bind(storage, layout)
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
         L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
         self._arange_c = torch.arange(C, device=dev)
         self._window_idx = torch.arange(layout.sink, cap, device=dev)
@@ -139,7 +168,7 @@ class ScoredPolicy(SlotPolicy):
         q = self._queries[layer].movedim(st.seq_dim, -2)
         k = st.keys[layer].movedim(st.seq_dim, -2)
         res = blockwise_attention(
-            fold_groups(q, k.shape, st.head_axis), k, None, st.bias(st.layer_positions(layer), q.dtype),
+            fold_groups(q, st.heads, st.head_axis), k, None, st.bias(st.layer_positions(layer), q.dtype),
             scale=1.0 / math.sqrt(q.shape[-1]), block=self.score_block, statistics=True, head_axis=st.head_axis,
         )
         cap = st.capacity
@@ -172,29 +201,32 @@ class ScoredPolicy(SlotPolicy):
     def commit(self, start: int, n: int) -> Step:
         st, L = self.storage, self.storage.num_layers
         what = f"positions [{start}, {start + n})"
-        fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
-        missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
-        if missing:
-            raise RuntimeError(
-                f"the {self.name} policy needs the queries of chunk {start // self.layout.chunk} ({what}), and "
-                f"layer(s) {missing} have none since their last write: attend through streamkv.attention.attend, "
-                f"or pass them to update(k, v, q); nothing was committed"
-            )
-        key_max, key_sum = self._key_max, self._key_sum
-        stale = [layer for layer in range(L) if not fresh[layer]]
-        if stale:  # score the stored queries (local tensors: a refused commit changes nothing)
-            key_max, key_sum = key_max.clone(), key_sum.clone()
-            for layer in stale:
-                key_max[layer], key_sum[layer] = self._score_stored(layer)
+        key_max = key_sum = None
+        if self.needs_queries:
+            fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
+            missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
+            if missing:
+                raise RuntimeError(
+                    f"the {self.name} policy needs the queries of chunk {start // self.layout.chunk} ({what}), and "
+                    f"layer(s) {missing} have none since their last write: attend through streamkv.attention.attend, "
+                    f"or pass them to update(k, v, q); nothing was committed"
+                )
+            key_max, key_sum = self._key_max, self._key_sum
+            stale = [layer for layer in range(L) if not fresh[layer]]
+            if stale:  # score the stored queries (local tensors: a refused commit changes nothing)
+                key_max, key_sum = key_max.clone(), key_sum.clone()
+                for layer in stale:
+                    key_max[layer], key_sum[layer] = self._score_stored(layer)
         pos = st.positions[..., : st.capacity]
         valid = pos >= 0
-        prio = self.priority(key_max, key_sum, valid)
+        prio = self.priority(Scores(pos, valid, start, n, key_max, key_sum, st))
         finite = torch.isfinite(torch.where(valid, prio, 0.0)).all(dim=(-1, -2))
         if not bool(finite.all()):
             bad = (~finite).nonzero().flatten().tolist()
             raise ValueError(
-                f"attention statistics of chunk {start // self.layout.chunk} ({what}) are not finite in layer(s) "
-                f"{bad}: NaN or inf in the cached keys or the queries; the chunk stays open and nothing was evicted"
+                f"{'attention statistics' if self.needs_queries else f'{self.name} key scores'} of chunk "
+                f"{start // self.layout.chunk} ({what}) are not finite in layer(s) {bad}: NaN or inf in the cached "
+                f"keys or the queries; the chunk stays open and nothing was evicted"
             )
         evict, overflow, n_evict, dropped = self._select(start, pos, valid, prio, key_max)
 
@@ -210,7 +242,7 @@ class ScoredPolicy(SlotPolicy):
 
         return Step(apply, evicted, info={"overflow": overflow.bool(), "dropped_mass_bound": dropped})
 
-    def _select(self, start: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor):
+    def _select(self, start: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor | None):
         L = self.layout
         protected = valid & (pos < L.sink)
         if self.protect_newest:
@@ -228,7 +260,9 @@ class ScoredPolicy(SlotPolicy):
         need = (L.chunk - free - want).clamp(min=0)  # room the next span (up to a chunk) still lacks
         n_evict = torch.minimum(want + need, n_cand)
         evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
-        return evict, (need > 0).long(), n_evict, (key_max * evict).sum(-1)
+        # without statistics the only bound on the mass that left is the trivial one
+        dropped = (key_max * evict).sum(-1) if key_max is not None else evict.any(-1).double()
+        return evict, (need > 0).long(), n_evict, dropped
 
     # ---------------------------------------------------------------- lifecycle
     def reset(self) -> None:
@@ -279,6 +313,20 @@ class ScoredPolicy(SlotPolicy):
                 raise ValueError(f"{where}: {name} must be >= 0")
         if bool(((state["scored"] != 0) & (state["scored"] != 1)).any()):
             raise ValueError(f"{where}: scored flags must be 0 or 1")
+        # statistics that cannot come from a softmax: a mass cache would evict beyond tau
+        for name, top in (("key_max", 1.0), ("key_sum", math.inf), ("dropped_mass_bound", math.inf)):
+            check_scores(where, name, state[name], top)
+
+
+def check_scores(where: str, name: str, t: Tensor, top: float = math.inf) -> None:
+    """Raise ``ValueError`` unless every entry of a state dict's statistic ``t`` is finite and in
+    ``[0, top]`` (an attention probability, a sum of them, an accumulated score)."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{where}: {name} must be finite, got NaN or inf")
+    lo, hi = float(t.min()) if t.numel() else 0.0, float(t.max()) if t.numel() else 0.0
+    if lo < 0 or hi > top:
+        rng = "[0, 1] (a softmax probability)" if top == 1.0 else ">= 0"
+        raise ValueError(f"{where}: {name} must be {rng}, got values from {lo} to {hi}")
 
 
 class FixedBudget(ScoredPolicy):
@@ -290,13 +338,11 @@ class FixedBudget(ScoredPolicy):
             always fits: no overflow). Default: the largest.
     """
 
-    def __init__(self, budget: int | None = None, *, score_block: int = 256) -> None:
-        super().__init__(protect_newest=True, score_block=score_block)
-        if budget is not None:
-            from ..storage import check_int
+    cache_properties = ("budget",)
 
-            budget = check_int("budget", budget)
-        self.budget = budget
+    def __init__(self, budget: int | None = None, *, score_block: int | None = None) -> None:
+        super().__init__(protect_newest=True, score_block=score_block)
+        self.budget = None if budget is None else check_int("budget", budget)
 
     def params(self) -> dict[str, Any]:
         return {"budget": self.budget}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .scored import FixedBudget
+from .scored import FixedBudget, Scores
 
 __all__ = ["TOVA"]
 
@@ -24,5 +24,5 @@ class TOVA(FixedBudget):
 
     name = "tova"
 
-    def priority(self, key_max: Tensor, key_sum: Tensor, valid: Tensor) -> Tensor:
-        return key_sum
+    def priority(self, scores: Scores) -> Tensor:
+        return scores.key_sum

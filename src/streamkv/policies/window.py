@@ -33,15 +33,11 @@ from .base import SlotPolicy, Step, empty_eviction
 __all__ = ["Ring", "Chronological"]
 
 
-def _noop() -> None:
-    pass
-
-
 class _Window(SlotPolicy):
     """What the two window policies share: a shared plan and a determined layout."""
 
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        super().bind(storage, layout)
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
         c, dev = layout.chunk, storage.device
         self._arange = torch.arange(c, dtype=torch.long, device=dev)
         self._chunk_pos = torch.zeros(c, dtype=torch.long, device=dev)
@@ -89,9 +85,15 @@ class Ring(_Window):
     """Circular storage with pinned sinks: a new chunk overwrites the oldest window slots."""
 
     name = "ring"
+    cache_properties = ("wraps",)
 
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        super().bind(storage, layout)
+    @property
+    def wraps(self) -> int:
+        """Times the write cursor has passed the end of the ring."""
+        return self.layout.ring_wraps(self.lifecycle.end)
+
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
         dev = storage.device
         self._stage = torch.zeros(layout.chunk, dtype=torch.long, device=dev)
         self._scratch = torch.zeros(layout.chunk, dtype=torch.long, device=dev)
@@ -109,7 +111,7 @@ class Ring(_Window):
 
     def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
-            return Step(_noop)  # the span's slots and positions are in place
+            return Step()  # the span's slots and positions are in place
         storage = self.storage
         stage = self._stage if n == self.layout.chunk else self._stage[:n]
 
@@ -150,18 +152,24 @@ class Chronological(_Window):
     """The current path: sinks pinned, the window in position order, rolled left on overflow."""
 
     name = "chronological"
+    cache_properties = ("write_start",)
+
+    @property
+    def write_start(self) -> int:
+        """First slot of the open (or last) span: its slots are ``[write_start, write_start + n)``."""
+        return self.storage.write_start
 
     @property
     def graph_safe_writes(self) -> bool:
         return False  # the write offset is a host int while the cache fills
 
-    def bind(self, storage: KVStorage, layout: CacheLayout) -> None:
-        super().bind(storage, layout)
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
         storage.write_start = 0
 
     def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
-            return Step(_noop)
+            return Step()
         L, storage = self.layout, self.storage
         end = start  # positions before this span
         new_end = end + n

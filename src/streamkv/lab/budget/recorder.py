@@ -43,7 +43,7 @@ from torch import Tensor
 
 from streamkv.budget.mass import check_tau, kept_mass, kept_output
 from streamkv.budget.oracles import PerQueryMass
-from streamkv.caches import CacheObserver, EvictionEvent, KVCache
+from streamkv.caches import CacheObserver, Change, KVCache
 
 __all__ = ["StepRecord", "Recorder"]
 
@@ -142,7 +142,6 @@ class Recorder(CacheObserver):
         self._hk: list[Tensor | None] = [None] * L
         self._hv: list[Tensor | None] = [None] * L
         self._pre_masks: list[dict[int, Tensor]] = [{} for _ in range(L)]
-        self._evicted: tuple[int, Tensor, Tensor | None] | None = None  # (chunk, mask, overflow) of a commit
         self.records: list[StepRecord] = []
 
     # ------------------------------------------------------------------ hooks
@@ -153,12 +152,15 @@ class Recorder(CacheObserver):
         self._q[layer] = q.detach().to("cpu", torch.float64, copy=True)
         self._q_chunk[layer] = cache.open_chunk
 
-    def on_evict(self, event: EvictionEvent) -> None:
-        if event.at == "commit":
-            self._evicted = (event.chunk_idx, event.evicted[..., : self.cache.layout.capacity].cpu(),
-                             event.info.get("overflow"))
-
-    def on_commit(self, cache: KVCache, chunk_idx: int) -> None:
+    def prepare(self, change: Change):
+        """A commit: refuse it (nothing changes) when a layer's queries or the history are
+        missing; else capture what the cache holds before the eviction and record it once the
+        commit is applied."""
+        if change.what == "load":
+            raise RuntimeError("a recorded cache does not load state dicts (the recorder's shadow would not match)")
+        if change.what != "commit":
+            return None
+        cache, chunk_idx = change.cache, change.chunk_idx
         L = cache.num_layers
         missing = [layer for layer in range(L) if self._q_chunk[layer] != chunk_idx]
         if missing:
@@ -175,14 +177,17 @@ class Recorder(CacheObserver):
                     f"the recorder must see every chunk from the start of the stream"
                 )
         pre = [self._head_positions(layer) for layer in range(L)]
-        ev = self._evicted if self._evicted is not None and self._evicted[0] == chunk_idx else None
-        self._evicted = None
-        post = [p.masked_fill(ev[1][layer], -1) if ev is not None else p for layer, p in enumerate(pre)]
-        ov = (ev[2].cpu() if ev is not None and ev[2] is not None
+        ev = change.eviction
+        cap = cache.layout.capacity
+        post = [p.masked_fill(ev.evicted[layer, :, :cap].cpu(), -1) if ev is not None else p for layer, p in enumerate(pre)]
+        ov = (ev.info["overflow"].cpu() if ev is not None and "overflow" in ev.info
               else torch.zeros((L, self.heads), dtype=torch.bool))
         chunk_kv = [self._read_chunk(layer, pre[layer], start) for layer in range(L)]
+        return lambda: self._record(chunk_idx, start, pre, post, ov, chunk_kv)
+
+    def _record(self, chunk_idx, start, pre, post, ov, chunk_kv) -> None:
         self.records = [r for r in self.records if r.chunk < chunk_idx]  # a reopened chunk replaces its records
-        for layer in range(L):
+        for layer in range(self.cache.num_layers):
             ck, cv = chunk_kv[layer]
             if self._hk[layer] is None or start == 0:
                 self._hk[layer], self._hv[layer] = ck, cv
