@@ -9,24 +9,22 @@ import torch
 from conftest import assert_same_state, snapshot
 from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
-from streamkv.certify import Certifier
+from kinds import CERTIFIED, KINDS, QUERY_SCORED, certify, params, policy_of
+from streamkv.policies import POLICIES
 
 S, W, C, H, D = 2, 7, 3, 2, 4
 CAP = S + W
-KINDS = ["ring", "chronological", "mass", "h2o", "tova", "certified-ring", "certified-mass"]
-PARAMS = {"mass": {"tau": 0.2}}
+KINDS = KINDS + CERTIFIED
 
 
 def _cache(kind, num_layers=1, **kw):
     certified = kind.startswith("certified-")
-    policy = kind.removeprefix("certified-")
-    kw = {**PARAMS.get(policy, {}), **kw}
+    kw = {**params(kind), **kw}
     if certified:
         kw.setdefault("recall_slots", 4)
-    cache = KVCache((1, CAP, H, D), (1, CAP, H, D + 1), policy=policy, seq_dim=1, sink=S, window=W, chunk=C,
-                    num_layers=num_layers, **kw)
-    if certified:
-        Certifier(cache, recall_tau=0.2)
+    cache = KVCache((1, CAP, H, D), (1, CAP, H, D + 1), policy=policy_of(kind), seq_dim=1, sink=S, window=W,
+                    chunk=C, num_layers=num_layers, **kw)
+    certify(cache, kind)
     return cache
 
 
@@ -135,7 +133,7 @@ def test_multi_layer_cache_requires_the_layer(kind):
     _rejects(cache, ValueError, r"layer must be in \[0, 3\), got -1", lambda: cache.write(k_ok, v_ok, layer=-1))
 
 
-@pytest.mark.parametrize("kind", ["mass", "h2o", "tova", "certified-mass"])
+@pytest.mark.parametrize("kind", QUERY_SCORED + [k for k in CERTIFIED if policy_of(k) in QUERY_SCORED])
 def test_scored_commit_without_queries_names_the_layer_and_chunk(kind):
     """The README loop without attention: nothing told the policy what the chunk attends to."""
     cache = _cache(kind, num_layers=2)
@@ -170,9 +168,9 @@ def test_scored_commit_without_queries_names_the_layer_and_chunk(kind):
         (dict(buffers=(torch.zeros(1, 1, CAP, 2, 4),) * 2), ValueError, "buffers K and V share memory"),
     ],
 )
-@pytest.mark.parametrize("kind", ["ring", "chronological", "mass", "h2o", "tova"])
+@pytest.mark.parametrize("kind", list(POLICIES))
 def test_bad_construction(kind, kwargs, exc, match):
-    base = dict(k_shape=(1, CAP, 2, 4), v_shape=(1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C, **PARAMS.get(kind, {}))
+    base = dict(k_shape=(1, CAP, 2, 4), v_shape=(1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C, **params(kind))
     base.update(kwargs)
     with pytest.raises(exc, match=match):
         KVCache(base.pop("k_shape"), base.pop("v_shape"), policy=kind, **base)
@@ -197,12 +195,12 @@ def test_bad_policy_parameters(kind, kwargs, match):
         KVCache((1, cap, 2, 4), (1, cap, 2, 4), policy=kind, **base)
 
 
-@pytest.mark.parametrize("kind", ["ring", "chronological", "mass", "h2o", "tova"])
+@pytest.mark.parametrize("kind", list(POLICIES))
 def test_load_state_dict_of_another_layout_is_rejected(kind):
     cache = _mid_stream(kind, open_chunk=False)
     other_kind = _mid_stream("ring" if kind == "chronological" else "chronological", open_chunk=False)
     other_layout = KVCache((1, CAP + 1, H, D), (1, CAP + 1, H, D + 1), policy=kind, seq_dim=1, sink=S, window=W + 1,
-                           chunk=C, **PARAMS.get(kind, {}))
+                           chunk=C, **params(kind))
     other_dtype = _cache(kind, dtype=torch.float64)
     other_layers = _cache(kind, num_layers=2)
     for other, match in (
@@ -220,7 +218,7 @@ def test_load_state_dict_of_another_layout_is_rejected(kind):
     _rejects(cache, ValueError, "state dict lacks 'seq_dim'", lambda: cache.load_state_dict(bad))
 
 
-@pytest.mark.parametrize("kind", ["certified-ring", "certified-mass"])
+@pytest.mark.parametrize("kind", CERTIFIED)
 def test_caches_with_recall_slots_refuse_state_dicts(kind):
     cache = _mid_stream(kind, open_chunk=False)
     _rejects(cache, RuntimeError, "recall slots does not save state dicts", cache.state_dict)

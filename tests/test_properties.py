@@ -24,9 +24,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from conftest import assert_same_state, snapshot
 from streamkv import KVCache
 from streamkv.attention import attend
+from kinds import CERTIFIED, KINDS, params, policy_of
 from streamkv.certify import Certifier
+from streamkv.policies import POLICIES
 
-KINDS = ["ring", "chronological", "mass", "h2o", "tova", "certified-ring", "certified-mass"]
+KINDS = KINDS + CERTIFIED
 #: what the machine reached, per kind (checked after the run: the invariants saw real streams)
 REACHED: dict[str, set[str]] = {}
 
@@ -42,8 +44,8 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def setup(self, chunk, sink, window_extra, layout):
         kind = self.kind
-        policy = kind.removeprefix("certified-")
-        scored = policy in ("mass", "h2o", "tova")
+        policy = policy_of(kind)
+        scored = POLICIES[policy].per_head
         self.kind, self.chunk, self.sink = kind, chunk, sink
         self.window = (2 * chunk if scored else chunk) + window_extra
         cap = self.sink + self.window
@@ -51,13 +53,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.k_shape, self.seq_dim = {"BTHD": ((1, cap, H, D), 1), "THD": ((cap, H, D), 0),
                                       "BHTD": ((1, H, cap, D), 2)}[layout]
         self.v_shape = self.k_shape[:-1] + (3,)
-        params = {"tau": 0.25} if policy == "mass" else {}
         certified = kind.startswith("certified-")
-        if certified:  # the certifier needs [B, T, H, D]
-            self.k_shape, self.v_shape, self.seq_dim = (1, cap, H, D), (1, cap, H, 3), 1
         self.cache = KVCache(self.k_shape, self.v_shape, policy=policy, seq_dim=self.seq_dim, sink=sink,
                              window=self.window, chunk=chunk, num_layers=2, dtype=torch.float64,
-                             recall_slots=3 if certified else 0, **params)
+                             recall_slots=3 if certified else 0, **params(kind))
         if certified:
             Certifier(self.cache, recall_tau=0.3)
         self.ptrs = (self.cache.keys(0).data_ptr(), self.cache.values(0).data_ptr(),

@@ -15,10 +15,11 @@ import torch
 
 from streamkv import KVCache
 from streamkv.attention import attend
+from kinds import KINDS, params
 from streamkv.certify import Certifier
 
 S, W, C, H, D, B = 2, 7, 3, 2, 4, 1
-KINDS = ["ring", "chronological", "mass", "h2o", "tova", "ring+recall", "mass+recall"]
+KINDS = KINDS + ["ring+recall", "mass+recall"]
 ORDERS = ["auto", "physical", "chronological"]
 OCCUPANCIES = [None, "all", "prefix", "mask"]
 MASKS = ["none", "attn_mask", "causal"]
@@ -29,9 +30,8 @@ def _stream(kind, chunks):
     """A cache of ``kind`` after ``chunks`` chunks (the last one open and written), with the
     whole history of what was written, per layer position."""
     policy, _, recall = kind.partition("+")
-    params = {"tau": 0.2} if policy == "mass" else {}
     cache = KVCache((B, S + W, H, D), (B, S + W, H, D + 1), policy=policy, seq_dim=1, sink=S, window=W, chunk=C,
-                    dtype=torch.float64, recall_slots=6 if recall else 0, **params)
+                    dtype=torch.float64, recall_slots=6 if recall else 0, **params(policy))
     if recall:
         Certifier(cache, recall_tau=0.05)
     gen = torch.Generator().manual_seed(3)

@@ -16,14 +16,14 @@ from streamkv.models import CausalVideoDiT, get_config
 from streamkv.rollout import Schedule, StreamingRollout
 from streamkv.rope import Rope3D
 
+from kinds import KINDS, SCORED, WINDOW, params
+
 S, W, C, H, D = 2, 7, 3, 2, 4
-KINDS = ["ring", "chronological", "mass", "h2o", "tova"]
 
 
 def _cache(kind="ring", **kw):
-    params = {"tau": 0.2} if kind == "mass" else {}
     return KVCache((1, S + W, H, D), (1, S + W, H, D), policy=kind, seq_dim=1, sink=S, window=W, chunk=C,
-                   **params, **kw)
+                   **params(kind), **kw)
 
 
 def _run(cache, chunks, start=0, seed=0):
@@ -80,7 +80,7 @@ def test_load_state_dict_refuses_tensors_without_data_before_any_copy(kind, bad,
 
 
 # ------------------------------------------------- 2. checkpoints checked for meaning
-@pytest.mark.parametrize("kind", ["ring", "chronological"])
+@pytest.mark.parametrize("kind", WINDOW)
 @pytest.mark.parametrize("tamper,match", [
     (lambda s: s["slot_positions"].fill_(-1), "contradict end=15"),
     (lambda s: s["slot_positions"].view(-1)[3].fill_(-5), "contradict end=15"),
@@ -101,7 +101,7 @@ def _duplicate(row):
     row[held[-1]] = row[held[-2]]
 
 
-@pytest.mark.parametrize("kind", ["mass", "h2o", "tova"])
+@pytest.mark.parametrize("kind", SCORED)
 @pytest.mark.parametrize("tamper,match", [
     (lambda s: s["slot_positions"][0, 0, 4].fill_(99), r"must be -1 or in \[0, 15\)"),
     (lambda s: _duplicate(s["slot_positions"][0, 0]), "same position in two slots"),
@@ -109,6 +109,12 @@ def _duplicate(row):
     (lambda s: s["write_slots"][0, 0, 0].fill_(S + W), r"write_slots must be in \[0, 9\)"),
     (lambda s: s["write_slots"][0, 0, :].copy_(torch.arange(3)), "write_slots must hold the positions of the last span"),
     (lambda s: s["overflows"].fill_(-1), "overflows must be >= 0"),
+    # statistics no softmax can produce: a mass cache would evict beyond tau, H2O wedge
+    (lambda s: s["key_max"][0, 0, 3].fill_(1.5), r"key_max must be \[0, 1\]"),
+    (lambda s: s["key_max"][0, 1, 2].fill_(-0.1), r"key_max must be \[0, 1\]"),
+    (lambda s: s["key_sum"][0, 0, 0].fill_(float("nan")), "key_sum must be finite"),
+    (lambda s: s["key_sum"][0, 0, 5].fill_(-2.0), "key_sum must be >= 0"),
+    (lambda s: s["dropped_mass_bound"].fill_(float("inf")), "dropped_mass_bound must be finite"),
 ])
 def test_scored_checkpoints_must_be_consistent(kind, tamper, match):
     cache = _run(_cache(kind), 5)
@@ -262,3 +268,12 @@ def test_the_drop_in_default_device_on_a_cpu_only_build_says_so():
         pytest.skip("this machine has CUDA: the default device works")
     with pytest.raises(RuntimeError, match="no CUDA device.*pass device='cpu'"):
         CircularBlockKVCache((1, 7, 2, 4), (1, 7, 2, 4), seq_dim=1, chunk_size=3, window_size=7)
+
+
+@pytest.mark.parametrize("value,match", [(float("nan"), "accumulated must be finite"), (-1.0, "accumulated must be >= 0")])
+def test_h2o_checkpoints_with_impossible_scores_are_refused(value, match):
+    cache = _run(_cache("h2o"), 5)
+    state = cache.state_dict()
+    state["accumulated"][0, 0, 4] = value
+    fresh = _cache("h2o")
+    _rejects(fresh, ValueError, match, lambda: fresh.load_state_dict(state))
