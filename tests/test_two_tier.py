@@ -132,7 +132,9 @@ def test_two_tier_against_the_others_at_matched_memory():
     cfg = TwoTierConfig(policy="ring", sink=2, window=30, recall_slots=32, tau=0.05)
     r = run_two_tier(stream, cfg)
     c = r["caches"]
-    assert set(c) == {"two_tier", "ring", "mass", "h2o", "tova", "oracle", "budget_only"}
+    from streamkv.lab.kinds import scored_kinds
+
+    assert set(c) == {"two_tier", "ring", *scored_kinds(), "oracle", "budget_only"}
     tt = c["two_tier"]
     assert tt["violations"] == 0 and tt["tightness_median"] < 1.5
     assert tt["device_bytes"] == tt["budget_kv_bytes"] + tt["recall_slot_bytes"] + tt["sketch_bytes"] + tt["policy_state_bytes"]

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{','.join(map(str, d.memory))})")
     p.add_argument("--sink", type=int, default=d.sink, help=f"sink tokens of the ring and scored kinds (default {d.sink})")
     p.add_argument("--kinds", type=lambda s: tuple(k for k in s.split(",") if k), default=d.kinds,
-                   help=f"bounded caches (default {','.join(d.kinds)})")
+                   help="bounded caches, comma-separated (default: window, ring and every scored kind of "
+                        "streamkv.policies.POLICIES)")
     p.add_argument("--taus", type=_floats, default=None, help=f"mass cache taus (default {','.join(map(str, d.taus))})")
     p.add_argument("--oracle-taus", type=_floats, default=None,
                    help=f"oracle taus (default {','.join(map(str, d.oracle_taus))}; 'none' skips the oracle)")

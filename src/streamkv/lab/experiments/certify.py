@@ -35,13 +35,13 @@ from streamkv.caches import CacheSet, KVCache
 from streamkv.certify import Certifier, HistoryCheck
 from streamkv.certify.shadow import tightness_stats
 from streamkv.lab.env import threads
+from streamkv.lab.kinds import check_kinds, evicting_kinds, kind_params
 from streamkv.lab.experiments.qkv import QKVConfig, synthesize_qkv
 from streamkv.lab.plotting import pyplot, save
 
-__all__ = ["SummaryOptions", "RunConfig", "run_synthetic", "run_dit", "run_certify", "plot_certify", "CACHES"]
+__all__ = ["SummaryOptions", "RunConfig", "run_synthetic", "run_dit", "run_certify", "plot_certify"]
 
 #: the cache kinds the experiment certifies
-CACHES = ("ring", "chronological", "mass", "h2o", "tova")  # every kind that evicts
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -69,7 +69,7 @@ class SummaryOptions:
 class RunConfig:
     """One certified rollout's settings (recorded with its result)."""
 
-    cache: str = "ring"  # any cache kind that evicts: "ring", "chronological", "mass", "h2o", "tova"
+    cache: str = "ring"  # any cache kind (every kind evicts): streamkv.lab.kinds.evicting_kinds()
     budget_tau: float = 0.05  # the mass cache's eviction budget (ignored by the ring)
     recall_tau: float | None = None  # recall threshold; None: no recall
     recall_slots: int = 0
@@ -79,7 +79,7 @@ class RunConfig:
 
     def cache_kwargs(self) -> dict[str, Any]:
         """The cache's policy parameters and recall slots."""
-        kw: dict[str, Any] = {"tau": self.budget_tau} if self.cache == "mass" else {}
+        kw: dict[str, Any] = kind_params(self.cache, tau=self.budget_tau)
         kw["recall_slots"] = self.recall_slots if self.recall_tau is not None else 0
         return kw
 
@@ -211,8 +211,7 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
     ``tau`` is the recall threshold (with ``recall``) and the reference for the guarantee
     check; ``budget_tau`` is the mass cache's own eviction budget.
     """
-    if cache not in CACHES:
-        raise ValueError(f"cache must be one of {sorted(CACHES)}, got {cache!r}")
+    check_kinds((cache,), evicting_kinds(), "cache")
     from streamkv.budget.mass import check_tau
 
     tau = check_tau(tau)
@@ -245,7 +244,7 @@ def run_certify(cache: str = "ring", *, tau: float = 0.05, recall: bool = False,
         "cache": cache,
         "tau": tau,
         "recall": recall,
-        "budget_tau": budget_tau if cache == "mass" else None,
+        "budget_tau": budget_tau if "tau" in kind_params(cache) else None,
         **total,
         # the larger (looser) of the two rollouts' figures; per rollout in "tightness"
         "tightness_median": worst("tightness_median"),

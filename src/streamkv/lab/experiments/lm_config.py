@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KINDS", "SCORED", "LMEvalConfig", "cache_runs", "plan_tokens"]
+from streamkv.lab.kinds import WINDOW, check_kinds, compared_kinds, kind_params
 
-#: the streamkv per-head scored kinds ("the best streamkv policy" is the best of these)
-SCORED = ("mass", "h2o", "tova")
-KINDS = ("window", "ring", "mass", "h2o", "tova")
+__all__ = ["LMEvalConfig", "cache_runs", "plan_tokens"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +23,7 @@ class LMEvalConfig:
     chunks: tuple[int, ...] = (64,)
     memory: tuple[int, ...] = (256, 1024)
     sink: int = 4
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] | None = None  # None: the window baseline, the ring and every scored kind
     taus: tuple[float, ...] = (0.001, 0.01)
     oracle_taus: tuple[float, ...] = (0.05,)
     decode: int = 32
@@ -43,9 +41,7 @@ class LMEvalConfig:
             raise ValueError(f"tokens ({self.tokens}) must be a multiple of segment ({self.segment})")
         if not self.chunks or any(c < 1 for c in self.chunks) or len(set(self.chunks)) != len(self.chunks):
             raise ValueError(f"chunks must be distinct ints >= 1, got {self.chunks}")
-        bad = [k for k in self.kinds if k not in KINDS]
-        if bad or not self.kinds:
-            raise ValueError(f"kinds must be among {list(KINDS)}, got {list(self.kinds)}")
+        check_kinds(self.kinds, compared_kinds())
         C = max(self.chunks)
         for m in self.memory:
             if not self.sink + 2 * C <= m < self.segment:
@@ -54,14 +50,18 @@ class LMEvalConfig:
                                  f"{self.sink + 2 * C} <= memory < {self.segment}")
         if any(not 0 < t < 1 for t in (*self.taus, *self.oracle_taus)):
             raise ValueError(f"taus must be in (0, 1), got {self.taus} and {self.oracle_taus}")
-        if "mass" in self.kinds and not self.taus:
-            raise ValueError("the mass kind needs at least one tau")
+        if any("tau" in kind_params(k) for k in self.run_kinds() if k != WINDOW) and not self.taus:
+            raise ValueError("a tau-budgeted kind needs at least one tau")
         if self.decode < 0:
             raise ValueError(f"decode must be >= 0, got {self.decode}")
         if self.decode and (C < 2 or self.split() < max(self.memory, default=0)):
             raise ValueError(f"decode ({self.decode}) needs a largest chunk >= 2 (got {C}) and a prefill (to the last "
                              f"chunk boundary before segment - decode = {self.segment - self.decode}) of at least the "
                              f"largest memory ({max(self.memory, default=0)}), got {self.split()}")
+
+    def run_kinds(self) -> tuple[str, ...]:
+        """The kinds this configuration compares (the default: :func:`~streamkv.lab.kinds.compared_kinds`)."""
+        return check_kinds(self.kinds, compared_kinds())
 
     def split(self) -> int:
         """Where the token-by-token tail starts: the last boundary of the largest chunk at or
@@ -77,15 +77,13 @@ class LMEvalConfig:
 def cache_runs(cfg: LMEvalConfig) -> list[tuple[str, str, dict[str, Any]]]:
     """``(label, kind, build kwargs)`` of the bounded caches at one memory (memory added later)."""
     out = []
-    for kind in cfg.kinds:
-        if kind == "window":
-            out.append(("window", "ring", {"sink": 0}))
-        elif kind == "ring":
-            out.append(("ring", "ring", {"sink": cfg.sink}))
-        elif kind == "mass":
-            out += [(f"mass(tau={t:g})", "mass", {"sink": cfg.sink, "tau": t}) for t in cfg.taus]
+    for kind in cfg.run_kinds():
+        if kind == WINDOW:
+            out.append((WINDOW, "ring", {"sink": 0}))
+        elif "tau" in kind_params(kind):  # a tau-budgeted kind: one run per tau
+            out += [(f"{kind}(tau={t:g})", kind, {"sink": cfg.sink, **kind_params(kind, tau=t)}) for t in cfg.taus]
         else:
-            out.append((kind, kind, {"sink": cfg.sink}))
+            out.append((kind, kind, {"sink": cfg.sink, **kind_params(kind)}))
     return out
 
 

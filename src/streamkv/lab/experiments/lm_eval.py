@@ -38,11 +38,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .lm_config import KINDS, SCORED, LMEvalConfig, cache_runs, plan_tokens
+from streamkv.lab.kinds import scored_kinds
+
+from .lm_config import LMEvalConfig, cache_runs, plan_tokens
 from .lm_oracle import KWARG, ORACLE_ATTENTION, OracleRun, register_oracle
 from .lm_stream import AttentionErrors, stream_losses
 
-__all__ = ["KINDS", "LMEvalConfig", "SCORED", "evaluate", "plan_tokens", "targets"]
+__all__ = ["LMEvalConfig", "evaluate", "plan_tokens", "targets"]
 
 class _Run:
     """The losses of one cache (or oracle) in every mode it ran: ``[segments, segment - 1]``
@@ -223,7 +225,7 @@ def _assemble(cfg: LMEvalConfig, runs: dict[str, _Run], meta: dict[str, dict[str
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per mode: at each memory the best scored policy (:data:`SCORED`) against the ring
+    """Per mode: at each memory the best scored policy (:func:`~streamkv.lab.kinds.scored_kinds`) against the ring
     (sinks + window), and whether one comes within 2% of the full cache's perplexity at
     ``<= 25%`` of its memory (the segment)."""
     out = []
@@ -237,7 +239,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         for m in memories:
             at = {label: e for label, es in result["caches"].items() for e in es
                   if e["mode"] == mode and e["chunk"] == chunk and e["memory_tokens"] == m}
-            scored = {k: e for k, e in at.items() if k.split("(")[0] in SCORED}
+            scored = {k: e for k, e in at.items() if k.split("(")[0] in scored_kinds()}
             best = min(scored, key=lambda k: scored[k]["perplexity"]) if scored else None
             ring = at.get("ring")
             row = {"memory_tokens": m, "memory_fraction": m / S, "best": best,

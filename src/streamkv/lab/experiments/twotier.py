@@ -42,6 +42,7 @@ from streamkv import KVCache
 from streamkv.attention import attend
 from streamkv.budget.oracles import PerQueryMass
 from streamkv.certify import Certifier, HistoryCheck
+from streamkv.lab.kinds import kind_params, scored_kinds
 
 __all__ = ["Stream", "smollm2_stream", "video_stream", "TwoTierConfig", "run_two_tier", "run_real", "plot_real",
            "DEFAULT_CONFIGS"]
@@ -276,10 +277,10 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
     memory = caches["two_tier"]["device_bytes"] / per_token  # token-equivalents per layer and key head
     cap = max(int(round(memory)), cfg.sink + 2 * stream.chunk)
     W = cap - cfg.sink
-    for name, kind, params in (("ring", "ring", {}), ("mass", "mass", {"tau": cfg.tau}), ("h2o", "h2o", {}),
-                               ("tova", "tova", {})):
-        say(name)
-        caches[name] = _run_cache(stream, kind, sink=cfg.sink, window=W, fulls=fulls, vranges=vranges, **params)
+    for kind in ("ring", *scored_kinds()):  # every evicting kind at the same device bytes
+        say(kind)
+        caches[kind] = _run_cache(stream, kind, sink=cfg.sink, window=W, fulls=fulls, vranges=vranges,
+                                  **kind_params(kind, tau=cfg.tau))
     say("oracle")
     caches["oracle"] = _oracle(stream, memory, fulls, vranges, cfg.sink)
     say("the two-tier budget alone")  # no sketch, no recall: what the sketch and recall add

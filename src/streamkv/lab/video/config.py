@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CONTEXT_FRAMES", "KINDS", "TrainConfig", "EvalConfig"]
+__all__ = ["CONTEXT_FRAMES", "TrainConfig", "EvalConfig"]
 
 #: streams are conditioned on the ground truth's first frames; the rest is generated
 CONTEXT_FRAMES = 4
-#: streaming kinds compared at matched memory (``full`` is the reference)
-KINDS = ("ring", "window", "mass", "h2o", "tova")
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class EvalConfig:
     clips: int = 6
     frames: int = 48
     capacities: tuple[int, ...] = (6, 8, 12)
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] | None = None  # None: streamkv.lab.kinds.compared_kinds() (``full`` is the reference)
     tau: float = 0.05
     oracle_taus: tuple[float, ...] = (0.05, 0.1, 0.2)
     horizon: int = 16  # the training window (frames)

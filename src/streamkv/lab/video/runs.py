@@ -28,10 +28,11 @@ from torch import Tensor
 from streamkv.caches import CacheSet
 from streamkv.models import CausalVideoDiT
 
-from .config import KINDS
+from streamkv.lab.kinds import WINDOW, kind_params, policies
+
 from .toy import geometry_model, stream
 
-__all__ = ["KINDS", "CacheRunSpec", "cache_run_spec", "build_caches", "run_stream"]
+__all__ = ["CacheRunSpec", "cache_run_spec", "build_caches", "run_stream"]
 
 SINK_FRAMES = 2
 
@@ -62,16 +63,13 @@ def cache_run_spec(kind: str, capacity_frames: int, *, total_frames: int | None 
     if kind == "window":
         return CacheRunSpec(kind, capacity_frames, 0, capacity_frames, "ring")
     window = capacity_frames - SINK_FRAMES
-    need = 2 * chunk_frames if kind in ("mass", "h2o", "tova") else chunk_frames
+    per_head = kind in policies() and policies()[kind].per_head
+    need = 2 * chunk_frames if per_head else chunk_frames
+    if kind not in policies():
+        raise ValueError(f"unknown cache kind {kind!r}; choose from {('full', WINDOW, *policies())}")
     if window < need:
         raise ValueError(f"{kind} at {capacity_frames} frames leaves a window of {window} frames; it needs >= {need}")
-    if kind in ("ring", "chronological"):
-        return CacheRunSpec(kind, capacity_frames, SINK_FRAMES, window, kind)
-    if kind == "mass":
-        return CacheRunSpec(kind, capacity_frames, SINK_FRAMES, window, "mass", (("tau", tau),))
-    if kind in ("h2o", "tova"):
-        return CacheRunSpec(kind, capacity_frames, SINK_FRAMES, window, kind)
-    raise ValueError(f"unknown cache kind {kind!r}; choose from {('full', 'chronological', *KINDS)}")
+    return CacheRunSpec(kind, capacity_frames, SINK_FRAMES, window, kind, tuple(kind_params(kind, tau=tau).items()))
 
 
 def build_caches(model: CausalVideoDiT, spec: CacheRunSpec) -> tuple[CausalVideoDiT, CacheSet]:
