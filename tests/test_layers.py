@@ -105,3 +105,29 @@ def _imports_at(path, root):
         return _imports(path)
     finally:
         SRC = saved
+
+
+LAB_ONLY = {"numpy", "rich", "matplotlib", "safetensors", "transformers", "diffusers"}
+
+
+def _top_level_lab_imports(path) -> list[str]:
+    out = []
+    for node in ast.parse(path.read_text()).body:  # top-level imports only
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        out += [n for n in names if n.split(".")[0] in LAB_ONLY]
+    return out
+
+
+def test_the_library_needs_torch_only(tmp_path):
+    """``pip install streamkv`` depends on torch alone: outside the lab, the integrations (which
+    import their client lazily, inside functions, where the user has it) and the compat
+    drop-ins, no module imports a lab dependency at its top level. (Control: a file that does
+    is found.)"""
+    for path in MODULES:
+        if path.relative_to(SRC).parts[0] in ("lab", "integrations", "compat"):
+            continue
+        assert not _top_level_lab_imports(path), f"{path.relative_to(SRC)} imports a lab dependency at its top level"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nimport numpy as np\nfrom rich.console import Console\n")
+    assert _top_level_lab_imports(bad) == ["numpy", "rich.console"]

@@ -84,6 +84,10 @@ def _check_writable(flag: str, path: Path, folder: bool) -> None:
         raise OSError(f"{flag} {path}: cannot write there ({ancestor} is not a writable folder)")
 
 
+#: what the lab needs beyond torch (the ``lab`` extra of pyproject.toml)
+LAB_EXTRA = ("numpy", "rich", "matplotlib", "safetensors")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -91,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_args(args)
         module = importlib.import_module(f"streamkv.lab.commands.{args._module}")
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        if exc.name not in LAB_EXTRA:
+            raise
+        print(f"streamkv {args.command}: error: the lab needs {exc.name}: pip install 'streamkv[lab]'", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
         print(f"streamkv {args.command}: error: {exc}", file=sys.stderr)
         return 2

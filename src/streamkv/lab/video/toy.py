@@ -5,7 +5,9 @@
 - :data:`CONTEXT_FRAMES`: streams are conditioned on the ground truth's first frames
   (committed with :meth:`~streamkv.rollout.StreamingRollout.prefill_chunk`); the rest is
   generated, so generated frames can be compared with the analytic ground truth.
-- :func:`load_model` / :func:`save_model`: ``safetensors`` weights with a JSON header.
+- :func:`load_model` / :func:`save_model`: ``safetensors`` weights with a JSON header. The
+  committed weights (4.9 MB) stay in the source tree and out of the wheel (``pyproject.toml``
+  package-data): the library carries none; the lab reads them from a clone.
 - :func:`stream`: prefill + generate through any cache (kind or prebuilt
   :class:`~streamkv.caches.CacheSet`), with the same noise for every cache.
 """
@@ -72,7 +74,10 @@ def load_model(path: str | Path = WEIGHTS, *, sink_frames: int | None = None,
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no toy weights at {path}: run `streamkv train-toy` to produce them")
+        raise FileNotFoundError(
+            f"no toy weights at {path}: they live in the source repository (src/streamkv/lab/video/weights/, "
+            f"not in the wheel); run from a clone (make demo), pass the path, or `streamkv train-toy` to produce them"
+        )
     model = CausalVideoDiT(toy_config(sink_frames=sink_frames, window_frames=window_frames))
     model.load_state_dict(load_file(str(path)), strict=True)
     return model.eval()
