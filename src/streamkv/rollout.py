@@ -59,6 +59,7 @@ from torch import Tensor
 from .caches import CacheSet, KVCache
 from .distributed.group import ContextParallel
 from .models.dit import CausalVideoDiT, CrossKV
+from .validate import check_int
 
 __all__ = ["Schedule", "StreamingRollout", "ChunkStats"]
 
@@ -178,8 +179,7 @@ class StreamingRollout:
                     "is correct; use mode='eager' or 'compile'"
                 )
         world_size = 1 if cp is None else cp.world_size
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        batch = check_int("batch", batch, 1)
         if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 1.0:
             raise ValueError(f"guidance must be a finite number >= 1.0, got {guidance!r}")
         if mode not in ("eager", "compile", "graph"):
@@ -271,8 +271,7 @@ class StreamingRollout:
 
     def check_chunks(self, num_chunks: int) -> None:
         """Raise ``ValueError`` if ``num_chunks`` more chunks would pass the RoPE horizon."""
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
-            raise ValueError(f"num_chunks must be an int >= 0, got {num_chunks!r}")
+        num_chunks = check_int("num_chunks", num_chunks, 0)
         cfg = self.model.cfg
         last = self._chunk + num_chunks - 1
         if num_chunks and last >= cfg.max_chunks:

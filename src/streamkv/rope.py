@@ -18,6 +18,7 @@ import math
 
 import torch
 from torch import Tensor
+from .validate import check_int
 
 __all__ = ["Rope3D"]
 
@@ -36,10 +37,7 @@ class Rope3D:
         if isinstance(head_dim, int) and (head_dim < 6 or head_dim % 2):
             raise ValueError(f"head_dim must be even and >= 6, got {head_dim}")
         for name, v in (("head_dim", head_dim), ("grid_h", grid_h), ("grid_w", grid_w), ("max_frames", max_frames)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+            check_int(name, v, 1)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
             raise ValueError(f"theta must be a finite number > 1 (the RoPE base), got {theta!r}")
         if max_frames * grid_h * grid_w > 2**53:

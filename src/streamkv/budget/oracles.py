@@ -32,16 +32,13 @@ import torch
 from torch import Tensor
 
 from .mass import check_attention, check_tau
+from ..validate import check_int
 
 __all__ = ["Oracle", "Full", "FixedWindow", "PerQueryMass"]
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return check_int(name, value, minimum)
 
 
 def _shape_of(attention: object) -> Tensor:

@@ -35,6 +35,7 @@ import math
 
 import torch
 from torch import Tensor
+from ..validate import check_int
 
 __all__ = ["KeySketch"]
 
@@ -54,8 +55,7 @@ class KeySketch:
                  bits: int = 8, block_tokens: int = 32, value_dtype: torch.dtype = torch.float32) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-            raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        check_int("block_tokens", block_tokens, 1)
         if bits == 4 and head_dim % 2:
             raise ValueError(f"4-bit codes pack two channels a byte: head_dim must be even, got {head_dim}")
         self.B, self.H, self.D, self.Dv = batch, heads, head_dim, value_dim

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from ..validate import check_int
 
 __all__ = ["BlockSummaries", "round_down", "round_up", "kmeans_labels"]
 
@@ -147,14 +148,11 @@ class BlockSummaries:
         max_blocks: int | None = None,
     ) -> None:
         for name, val in (("events_per_block", events_per_block), ("block_tokens", block_tokens)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-        if pool_events is not None and (isinstance(pool_events, bool) or not isinstance(pool_events, int)
-                                        or pool_events < 1):
-            raise ValueError(f"pool_events must be None or an int >= 1, got {pool_events!r}")
-        if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
-                                       or max_blocks < 1):
-            raise ValueError(f"max_blocks must be None or an int >= 1, got {max_blocks!r}")
+            check_int(name, val, 1)
+        if pool_events is not None:
+            check_int("pool_events", pool_events, 1)
+        if max_blocks is not None:
+            check_int("max_blocks", max_blocks, 1)
         box_dtype = key_dtype if box_dtype is None else box_dtype
         if not isinstance(box_dtype, torch.dtype) or not box_dtype.is_floating_point:
             raise TypeError(f"box_dtype must be a floating torch.dtype, got {box_dtype!r}")

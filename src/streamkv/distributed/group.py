@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from ..validate import check_int
 
 __all__ = ["ContextParallel", "check_split"]
 
@@ -45,8 +46,7 @@ def check_split(*, heads: int, chunk_tokens: int, world_size: int, what: str = "
 
     ``what`` (e.g. ``"config 'tiny'"``) is named in the message.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    world_size = check_int("world_size", world_size, 1)
     where = f" ({what})" if what else ""
     if heads % world_size:
         raise ValueError(
@@ -83,8 +83,7 @@ class ContextParallel:
     def __post_init__(self) -> None:
         for name in ("world_size", "rank"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            check_int(name, value)
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .group import ContextParallel
+from ..validate import check_int
 
 __all__ = ["launch", "init_from_env", "rank_device"]
 
@@ -74,8 +75,7 @@ def launch(
         ValueError: bad ``nproc`` / ``device``, or fewer GPUs than ranks.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    nproc = check_int("nproc", nproc, 1)
     kind = torch.device(device).type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
