@@ -22,6 +22,7 @@ forward complete); a violation raises ``RuntimeError`` naming the layer.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +32,12 @@ from transformers.cache_utils import Cache
 
 from ..caches import KVCache, KVRead
 from ..certify import Certifier
+from ..storage import check_int
 from .transformers_layer import StreamKVLayer, refusal
 from .transformers_two_tier import check_certifiers
 
-__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs"]
+__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs",
+           "check_model_config"]
 
 #: the attention-kwargs key under which a layer's update hands its read to the attention function
 KWARG = "streamkv"
@@ -66,6 +69,33 @@ def check_attention_kwargs(attn_kwargs: dict[str, Any]) -> None:
         raise ValueError("the streamkv attention is causal; is_causal=False is refused")
     if attn_kwargs.get("output_attentions"):
         raise ValueError("the streamkv attention does not return attention weights (output_attentions=True)")
+
+
+#: per thread, the :class:`StreamKVCache` whose ``get_mask_sizes`` ran last (eagerly). transformers'
+#: masking utilities ask the cache for its mask sizes before the first layer of every forward,
+#: then call the mask function with the model's config: :func:`check_model_config` compares the
+#: two there, and layer 0's ``update`` consumes the token. A forward that never asked (a custom 4D
+#: ``attention_mask`` skips the masking utilities, and the attention function would refuse it only
+#: after layer 0's write) is refused at layer 0 before anything changes. Kept outside the cache so
+#: that a forward refused before its first write leaves the cache's own state as it was.
+_ASKED = threading.local()
+
+
+def check_model_config(config: Any) -> None:
+    """Called by the streamkv mask function with the model's config: raise ``ValueError`` if the
+    :class:`StreamKVCache` whose mask sizes were just asked for (this forward's cache) was built for
+    another number of decoder layers. Before any layer runs, so a refused forward changes nothing.
+    A no-op when no cache asked, or without a config."""
+    cache = getattr(_ASKED, "cache", None)
+    if cache is None or config is None:
+        return
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers != cache.num_layers:
+        raise ValueError(
+            f"this StreamKVCache was built for {cache.num_layers} decoder layers, the model has {layers} "
+            f"(config.num_hidden_layers): build the cache from this model's config (build_cache(model.config, ...))"
+        )
 
 
 class Handoff:
@@ -158,6 +188,7 @@ class StreamKVCache(Cache):
         self._written = 0  # layers written in the open span
         self._attended = 0  # layers attended by streamkv_attention in the open span
         self._prepared = False  # prepare_step opened the span of the next forward
+        self._stale: str | None = None  # why the stream must be reset before the next forward
         super().__init__(layers=[StreamKVLayer(self, i) for i in range(kv.num_layers)])
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,7 +212,11 @@ class StreamKVCache(Cache):
             RuntimeError: the previous forward did not complete (see :meth:`update`), a step
                 is already prepared, or the cache runs eagerly only (:attr:`eager_only`).
             ValueError: ``n`` not in ``[1, chunk]``.
+            TypeError: ``n`` not an int (``1.0``, ``True``).
+
+        All raised before anything changes.
         """
+        n = check_int("n", n)  # before anything: prepare_step(1.0) must not commit, then refuse
         if self.eager_only:
             raise RuntimeError(refusal("prepare_step (compiled steps)", _EAGER_ONLY))
         if self._prepared:
@@ -199,6 +234,8 @@ class StreamKVCache(Cache):
                 f"a forward holds 1 to chunk={C} tokens (the cache's largest span), got {n}: prefill in chunks of at "
                 f"most {C} tokens (generate(..., prefill_chunk_size={C})) or build the cache with a larger chunk"
             )
+        if self._stale is not None:
+            raise RuntimeError(f"{self._stale}: call reset() and start the stream again")
         if kv.is_open and self._written != L:
             raise RuntimeError(
                 f"the previous forward stopped after writing {self._written} and attending {self._attended} of {L} "
@@ -215,6 +252,8 @@ class StreamKVCache(Cache):
 
     @staticmethod
     def _check_positions(position_ids: Tensor, start: int, n: int) -> None:
+        if not isinstance(position_ids, Tensor):
+            raise TypeError(f"position_ids must be a Tensor or None, got {type(position_ids).__name__}")
         if position_ids.dim() != 2 or position_ids.shape[-1] != n:
             raise ValueError(
                 f"position_ids must be [batch or 1, {n}] for a forward of {n} tokens, got {tuple(position_ids.shape)}"
@@ -244,7 +283,8 @@ class StreamKVCache(Cache):
                 (:func:`check_attention_kwargs`). All raised before layer 0 changes anything.
         """
         L = self.num_layers
-        if torch.compiler.is_compiling() and self.eager_only:
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.eager_only:
             _refuse_compiled()  # a graph break that raises when the compiled forward runs
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
@@ -254,14 +294,24 @@ class StreamKVCache(Cache):
                 "attention function; this model's attention module does not pass it"
             )
         check_attention_kwargs(attn_kwargs)
+        layer_idx = self._check_layer(layer_idx)
         self.check_states(key_states, value_states, layer_idx)
+        n = key_states.shape[-2]
+        if layer_idx == 0 and not compiling:
+            self._check_asked()
         if layer_idx == 0 and not self._prepared:
-            self._advance(key_states.shape[-2], attn_kwargs.get("position_ids"))
+            self._advance(n, attn_kwargs.get("position_ids"))
         elif layer_idx != self._written:
             raise RuntimeError(
                 f"layers must be updated in order once per forward: expected layer {self._written % L}, got "
                 f"{layer_idx}; call reset() and start the stream again"
             )
+        elif layer_idx == 0 and not compiling:  # prepare_step opened the span: its length and positions
+            start, m = self.kv.open_span
+            if n != m:
+                raise ValueError(f"prepare_step({m}) opened {m} positions; this forward has {n} tokens")
+            if attn_kwargs.get("position_ids") is not None:
+                self._check_positions(attn_kwargs["position_ids"], start, n)
         self._check_attended()
         if self.token_major:
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
@@ -274,6 +324,34 @@ class StreamKVCache(Cache):
         self._prepared = False
         self._written += 1
         return keys, values
+
+    def _check_layer(self, layer_idx: Any) -> int:
+        """``layer_idx`` as an int in ``[0, num_layers)``; refused before anything changes. A layer
+        past the cache's last one after every layer of this forward was written (a model with more
+        decoder layers than the cache, whose masks did not go through the streamkv mask function)
+        leaves the stream to be reset: the next forward is refused instead of advancing it."""
+        layer = check_int("layer_idx", layer_idx)
+        L = self.num_layers
+        if not 0 <= layer < L:
+            if layer == L and self._written == L and self.kv.is_open and self._stale is None:
+                self._stale = f"the last forward reached layer {L}, past this cache's {L} layers"
+            raise ValueError(
+                f"layer_idx must be in [0, {L}): this StreamKVCache holds {L} decoder layers, got layer {layer}; "
+                f"build the cache from the model's config (build_cache(model.config, ...))"
+            )
+        return layer
+
+    def _check_asked(self) -> None:
+        """Layer 0 of an eager forward: the masking utilities asked this cache for its mask sizes
+        first (consumes the token; see ``_ASKED``)."""
+        asked = getattr(_ASKED, "cache", None) is self
+        _ASKED.cache = None
+        if not asked:
+            raise ValueError(
+                "this forward did not ask the StreamKVCache for its mask sizes before its first layer: a custom 4D "
+                "attention_mask (refused: the streamkv attention builds its mask from the slot positions), or a "
+                "model that does not build its masks with transformers' masking utilities (create_causal_mask)"
+            )
 
     def _check_attended(self) -> None:
         """Every layer written in the open span was attended by the streamkv attention function."""
@@ -310,14 +388,18 @@ class StreamKVCache(Cache):
             self.on_attention(layer, query, read, out)
 
     def check_states(self, key_states: Tensor, value_states: Tensor, layer: int) -> None:
-        """Raise ``ValueError``/``TypeError`` unless K/V ``[B, H_kv, n, D]`` fit the cache
-        (shape, dtype, device): checked before layer 0 opens the span, so a refused forward
-        changes nothing."""
+        """Raise ``ValueError``/``TypeError``/``RuntimeError`` unless K/V ``[B, H_kv, n, D]`` fit
+        the cache as the core's write will check them (dense, shape, one ``n``, dtype, device,
+        no grad under grad mode, no memory shared with the cache's buffers, inference mode when
+        the buffers are inference tensors): checked before layer 0 opens the span, so a refused
+        forward changes nothing."""
         kv = self.kv
         batch, heads = kv.k_shape[0], kv.k_shape[kv.head_dim]  # either layout
         for name, t, dim in (("key", key_states, kv.k_shape[-1]), ("value", value_states, kv.v_shape[-1])):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name}_states must be a Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise ValueError(f"layer {layer} {name}_states must be a dense (strided) tensor, got layout {t.layout}")
             if t.dim() != 4 or t.shape[:2] != (batch, heads) or t.shape[-1] != dim:
                 raise ValueError(
                     f"layer {layer} {name}_states must be [batch={batch}, kv_heads={heads}, n, {dim}] "
@@ -328,6 +410,23 @@ class StreamKVCache(Cache):
                                 f"the model's compute dtype")
             if t.device != kv.device:
                 raise ValueError(f"layer {layer} {name}_states are on {t.device}, the cache on {kv.device}")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    f"layer {layer} {name}_states require grad: the cache stores values, not an autograd graph; run "
+                    f"the model under torch.no_grad() or torch.inference_mode()"
+                )
+            if not torch.compiler.is_compiling() and kv.storage.owns(t):
+                raise ValueError(f"layer {layer} {name}_states share memory with the cache's own buffers: pass a "
+                                 f"tensor of its own (clone it)")
+        if key_states.shape[-2] != value_states.shape[-2]:
+            raise ValueError(f"layer {layer} key_states and value_states must hold the same n tokens, got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if (not torch.compiler.is_compiling() and self.layers[0].keys.is_inference()
+                and not torch.is_inference_mode_enabled()):
+            raise RuntimeError(
+                f"layer {layer}: this cache was built under torch.inference_mode(), so torch lets its buffers change "
+                f"only inside inference mode; run the model under torch.inference_mode() (or build the cache outside it)"
+            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions entered by the forwards so far (a span opened by ``prepare_step`` not
@@ -355,6 +454,7 @@ class StreamKVCache(Cache):
         if torch.compiler.is_compiling():
             return self.kv.layout.capacity, 0
         impl = getattr(self.config, "_attn_implementation", ATTN_IMPLEMENTATION)
+        _ASKED.cache = None
         if impl != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"StreamKVCache ({self.kv.name}) needs attn_implementation='streamkv' (its keys lie in slot order); "
@@ -362,6 +462,7 @@ class StreamKVCache(Cache):
                 f"attn_implementation='streamkv' or call model.set_attn_implementation('streamkv'), and build the "
                 f"cache from model.config"
             )
+        _ASKED.cache = self  # this forward's cache: the mask function and layer 0 check against it
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
@@ -369,6 +470,7 @@ class StreamKVCache(Cache):
         self.kv.reset()
         self._written = self._attended = 0
         self._prepared = False
+        self._stale = None
 
     # ------------------------------------------------------------------ refused
     def reorder_cache(self, beam_idx: Tensor) -> None:

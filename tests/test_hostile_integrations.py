@@ -1,0 +1,145 @@
+"""The integrations and drop-ins as a careless or hostile user drives them: every refused call
+raises a clear exception naming the constraint and the value, and leaves the full state as it
+was (the caches' K/V, positions, plans, policy statistics, counters, observers; the integration's
+own counters). Each case here was accepted, or refused only after the stream moved, before the
+fix it pins (issue 18, item 4).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_state, snapshot
+from test_transformers_cache import tiny, with_attention
+
+from streamkv.integrations.transformers import build_cache
+
+IDS = torch.tensor([[5, 6, 7]])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return with_attention(tiny("llama"), "streamkv")
+
+
+def started(model, kind="ring", **kw):
+    """A cache of ``kind`` after one 3-token forward (its span open, as between forwards)."""
+    cache = build_cache(model.config, kind, sink=2, window=8, chunk=4, **kw)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=cache)
+    return cache
+
+
+def refused(cache, exc, match, call):
+    before = snapshot(cache)
+    with pytest.raises(exc, match=match):
+        call()
+    assert_same_state(before, snapshot(cache))
+
+
+# ------------------------------------------------------------------ transformers
+@pytest.mark.parametrize("kind", ["tova", "ring"])
+def test_a_forward_outside_no_grad_is_refused_before_the_commit(llama, kind):
+    """Refused only after the previous span was committed (TOVA evicted) and a new one opened."""
+    cache = started(llama, kind)
+    with torch.enable_grad():
+        refused(cache, ValueError, "key_states require grad", lambda: llama(input_ids=IDS[:, :1], cache=cache))
+    with torch.no_grad():  # the stream goes on where it was
+        llama(input_ids=IDS[:, :1], cache=cache)
+    assert cache.get_seq_length() == 4
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_cache_built_for_another_layer_count_is_refused_before_any_layer(llama, layers):
+    """It advanced the stream on every refused forward (3 layers: the first forward was even
+    accepted, leaving the span incomplete)."""
+    config = copy.deepcopy(llama.config)
+    config.num_hidden_layers = layers
+    cache = build_cache(config, "ring", sink=2, window=8, chunk=4)
+    with torch.no_grad():
+        for _ in range(2):
+            refused(cache, ValueError, f"built for {layers} decoder layers, the model has 2",
+                    lambda: llama(input_ids=IDS, cache=cache))
+
+
+def forward_by_hand(cache, n=1, layers=None, **attn):
+    """What a Llama-pattern forward does with the cache, without the model: mask sizes, then
+    each layer's update (its attention marked done)."""
+    cache.get_mask_sizes(n, 0)
+    for layer in range(cache.num_layers if layers is None else layers):
+        cache.update(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), layer, kwargs=dict(attn))
+        cache.attended(layer, None, None, None)
+
+
+def test_a_layer_past_the_cache_leaves_the_stream_to_be_reset_not_advanced(llama):
+    """A model whose masks bypass the streamkv mask function, with more layers than the cache:
+    its layer 2 is refused, and so is every later forward until reset() (before: each later
+    forward committed and advanced the stream, then failed again at layer 2)."""
+    cache = started(llama)
+    with torch.no_grad():
+        forward_by_hand(cache)
+        with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 2\).*got layer 2"):
+            cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 2, kwargs={})
+        before = snapshot(cache)
+        with pytest.raises(RuntimeError, match="past this cache's 2 layers: call reset"):
+            llama(input_ids=IDS[:, :1], cache=cache)
+        assert_same_state(before, snapshot(cache))
+        cache.reset()
+        llama(input_ids=IDS, cache=cache)
+    assert cache.get_seq_length() == 3
+
+
+@pytest.mark.parametrize("n, exc", [(1.0, TypeError), (True, TypeError), ("1", TypeError), (0, ValueError),
+                                    (5, ValueError)])
+def test_prepare_step_refuses_a_bad_n_before_committing(llama, n, exc):
+    """prepare_step(1.0) committed the open span, then raised."""
+    cache = started(llama)
+    refused(cache, exc, "n must be|a forward holds 1 to chunk=4", lambda: cache.prepare_step(n))
+
+
+def test_after_prepare_step_the_forward_is_checked_against_the_open_span(llama):
+    """Wrong position_ids were accepted in eager mode after prepare_step (logits off by 6.6)."""
+    cache = started(llama)
+    cache.prepare_step(1)
+    with torch.no_grad():
+        refused(cache, ValueError, r"next positions \[3, 4\).*got \[9\]",
+                lambda: llama(input_ids=IDS[:, :1], position_ids=torch.tensor([[9]]), cache=cache))
+        refused(cache, ValueError, r"prepare_step\(1\) opened 1 positions; this forward has 2 tokens",
+                lambda: llama(input_ids=IDS[:, :2], cache=cache))
+        llama(input_ids=IDS[:, :1], position_ids=torch.tensor([[3]]), cache=cache)
+    assert cache.get_seq_length() == 4
+
+
+def test_a_custom_4d_mask_is_refused_before_layer_0_writes(llama):
+    """The attention function refused it, after layer 0 had committed, advanced and written."""
+    cache = started(llama)
+    with torch.no_grad():
+        refused(cache, ValueError, "did not ask the StreamKVCache for its mask sizes.*custom 4D attention_mask",
+                lambda: llama(input_ids=IDS[:, :1], attention_mask=torch.zeros(1, 1, 1, 4), cache=cache))
+
+
+@pytest.mark.parametrize("case", ["key aliases the buffer", "value aliases the buffer", "sparse key", "n differs",
+                                  "float layer index", "position_ids not a tensor"])
+def test_layer_0_inputs_the_core_would_refuse_are_refused_before_the_commit(llama, case):
+    """Each was refused by the core's write only after layer 0 had committed the previous span
+    and opened the next (or, for a list of position ids, an AttributeError)."""
+    cache = started(llama)
+    z = torch.zeros(1, 2, 1, 8)
+    calls = {
+        "key aliases the buffer": (ValueError, "share memory", lambda: cache.update(
+            cache.layers[0].keys[:, :, :1], z, 0, kwargs={})),
+        "value aliases the buffer": (ValueError, "share memory", lambda: cache.update(
+            z, cache.layers[1].values[:, :, 3:4], 0, kwargs={})),
+        "sparse key": (ValueError, "dense", lambda: cache.update(z.to_sparse(), z, 0, kwargs={})),
+        "n differs": (ValueError, "the same n tokens", lambda: cache.update(z, torch.zeros(1, 2, 2, 8), 0, kwargs={})),
+        "float layer index": (TypeError, "layer_idx must be an int, got float", lambda: cache.update(
+            z, z, 0.0, kwargs={})),
+        "position_ids not a tensor": (TypeError, "position_ids must be a Tensor or None, got list", lambda: cache.update(
+            z, z, 0, kwargs={"position_ids": [3]})),
+    }
+    exc, match, call = calls[case]
+    with torch.no_grad():
+        cache.get_mask_sizes(1, 0)  # what the masking utilities do first
+        refused(cache, exc, match, call)
