@@ -143,3 +143,64 @@ def test_layer_0_inputs_the_core_would_refuse_are_refused_before_the_commit(llam
     with torch.no_grad():
         cache.get_mask_sizes(1, 0)  # what the masking utilities do first
         refused(cache, exc, match, call)
+
+
+# ------------------------------------------------------------------ sglang drop-in, Self-Forcing dicts
+def sglang_cache(heads=4, **kw):
+    from streamkv.compat.sglang import CausalSelfAttentionKVCache
+
+    return CausalSelfAttentionKVCache(torch.zeros(1, 12, heads, 8), torch.zeros(1, 12, heads, 8),
+                                      torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0, 0, **kw)
+
+
+def chunk(n=4, heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, heads, 8, generator=g), torch.randn(1, n, heads, 8, generator=g)
+
+
+def head_slice_stream(calls=4, inference=False):
+    """Head-slice mode (heads [1, 3) of 4): the ring keeps buffers of its own (made by the first
+    call: under torch.inference_mode() with ``inference``)."""
+    cache = sglang_cache(sink_tokens=2)
+    with torch.inference_mode(inference):
+        for i in range(calls):
+            k, v = chunk(seed=i)
+            cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=4 * i, cache_head_start=1)
+    return cache
+
+
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_sglang_head_slice_refuses_a_key_aliasing_the_rings_own_buffer_before_advancing(which):
+    """Refused by the ring's write, after the ring had committed and advanced (the next call then
+    reported 'positions ... are not held by the ring: a bug')."""
+    cache = head_slice_stream()
+    own = cache._own[0 if which == "key" else 1]
+    k, v = chunk(seed=9)
+    kv = {"key": own[:, :4], "value": v} if which == "key" else {"key": k, "value": own[:, 2:6]}
+    refused(cache, ValueError, f"{which} shares memory with the cache buffers",
+            lambda: cache.update_and_get_attention_kv(**kv, current_chunk_start=16, cache_head_start=1))
+    k, v = chunk(seed=9)
+    cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=16, cache_head_start=1)  # goes on
+
+
+def test_sglang_head_slice_buffers_made_in_inference_mode_are_refused_outside_it_before_a_relayout():
+    """Own buffers allocated under inference_mode: outside it, a call that re-lays the ring out
+    (sink_tokens changed) is refused before the re-layout (a guard: the core refused it too)."""
+    cache = head_slice_stream(3, inference=True)
+    assert not cache.k.is_inference() and cache._own[0].is_inference()
+    cache.sink_tokens = 4
+    k, v = chunk(seed=5)
+    refused(cache, RuntimeError, "inference tensors",
+            lambda: cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=12, cache_head_start=1))
+
+
+@pytest.mark.parametrize("value", [torch.tensor([False]), torch.tensor([0j])])
+def test_self_forcing_index_reset_takes_an_integer_tensor_only(value):
+    """A bool tensor reset the block; a complex one failed inside int() without naming the constraint."""
+    from streamkv.compat.self_forcing import SelfForcingKVCache
+
+    cache = SelfForcingKVCache(1, 12, 2, 8, sink_tokens=2, dtype=torch.float32)
+    for i in range(3):
+        cache.update(*chunk(seed=i), 4 * i)
+    refused(cache, TypeError, "must be assigned a 1-element integer tensor",
+            lambda: cache.__setitem__("global_end_index", value))
