@@ -204,3 +204,139 @@ def test_self_forcing_index_reset_takes_an_integer_tensor_only(value):
         cache.update(*chunk(seed=i), 4 * i)
     refused(cache, TypeError, "must be assigned a 1-element integer tensor",
             lambda: cache.__setitem__("global_end_index", value))
+
+
+# ------------------------------------------------------------------ diffusers Wan
+@pytest.fixture(scope="module")
+def wan():
+    from test_diffusers_wan import tiny_model
+
+    return tiny_model()
+
+
+def wan_rollout(model, chunks=2):
+    from test_diffusers_wan import SCHEDULE, prompts
+
+    from streamkv.integrations.diffusers import StreamingWan, WanStreamingRollout
+
+    stream = StreamingWan(model, frames_per_chunk=2, sink_frames=1, window_frames=5, height=4, width=4,
+                          branches=("cond", "uncond"))
+    rollout = WanStreamingRollout(stream, guidance=3.0, schedule=SCHEDULE, seed=3)
+    rollout.set_prompt(*prompts())
+    for _ in range(chunks):
+        rollout.generate_chunk()
+    return stream, rollout
+
+
+def rollout_state(r):
+    """The rollout's full state: its caches, the noise generator, the prompts, its counters."""
+    return (snapshot(r.stream.caches), r._gen.get_state(), {k: v.clone() for k, v in r._prompts.items()},
+            r._chunk, r.forwards, len(r.chunk_seconds))
+
+
+def assert_same_rollout(before, after):
+    assert_same_state(before[0], after[0])
+    assert torch.equal(before[1], after[1]), "the noise generator moved"
+    assert before[2].keys() == after[2].keys() and all(torch.equal(before[2][k], after[2][k]) for k in before[2])
+    assert before[3:] == after[3:]
+
+
+@pytest.mark.parametrize("case", ["seed str", "seed too large", "text_dim", "empty text", "int text",
+                                  "negative without guidance"])
+def test_set_prompt_checks_everything_before_the_reset(wan, case):
+    """set_prompt(seed='11') reset the caches, then raised; a wrong text_dim (or an empty or
+    integer text) was accepted and failed deep in diffusers at the next forward."""
+    from test_diffusers_wan import prompts
+
+    stream, rollout = wan_rollout(wan)
+    cond, uncond = prompts()
+    calls = {
+        "seed str": (TypeError, "seed must be an int, got str '11'", lambda: rollout.set_prompt(cond, uncond, seed="11")),
+        "seed too large": (ValueError, r"seed must be in \[-2\*\*63, 2\*\*64\)",
+                           lambda: rollout.set_prompt(cond, uncond, seed=2**70)),
+        "text_dim": (ValueError, r"text_dim=16\] \(the model's config.text_dim\), got \(1, 5, 17\)",
+                     lambda: rollout.set_prompt(torch.randn(1, 5, 17), uncond)),
+        "empty text": (ValueError, "text_len >= 1", lambda: rollout.set_prompt(cond[:, :0], uncond)),
+        "int text": (TypeError, "dense floating tensor, got torch.strided torch.int64",
+                     lambda: rollout.set_prompt(cond.long(), uncond)),
+        "negative without guidance": (ValueError, "guidance 1.0 runs the cond branch only", None),
+    }
+    exc, match, call = calls[case]
+    try:
+        if case == "negative without guidance":
+            from streamkv.integrations.diffusers import WanStreamingRollout
+
+            rollout = WanStreamingRollout(stream, guidance=1.0, seed=3)
+            call = lambda: rollout.set_prompt(cond, uncond)  # noqa: E731
+        before = rollout_state(rollout)
+        with pytest.raises(exc, match=match):
+            call()
+        assert_same_rollout(before, rollout_state(rollout))
+    finally:
+        stream.detach()
+
+
+@pytest.mark.parametrize("case", ["float64 latents", "float16 latents", "text_dim", "float64 text", "timestep str",
+                                  "timestep bool", "timestep nan", "timestep negative", "timestep tensor nan"])
+def test_streaming_wan_forward_refuses_what_diffusers_would_fail_on_before_any_layer(wan, case):
+    """float64 latents or a wrong text_dim failed deep in diffusers (RuntimeError: 'Input type
+    (double) and bias type (float)', 'mat1 and mat2 shapes'); a timestep '5', True, NaN or -5
+    was accepted and written into the cache."""
+    from test_diffusers_wan import prompts
+
+    stream, rollout = wan_rollout(wan, chunks=1)
+    e, _ = prompts()
+    x = torch.randn(1, 4, 2, 4, 4)
+    calls = {
+        "float64 latents": (TypeError, "latents must be a dense torch.float32 tensor", lambda: stream.forward(
+            "cond", x.double(), 500.0, e)),
+        "float16 latents": (TypeError, "got torch.strided torch.float16", lambda: stream.forward(
+            "cond", x.half(), 500.0, e)),
+        "text_dim": (ValueError, r"text_dim=16\].*got \(1, 5, 17\)", lambda: stream.forward(
+            "cond", x, 500.0, torch.randn(1, 5, 17))),
+        "float64 text": (TypeError, "prompt_embeds must be torch.float32", lambda: stream.forward(
+            "cond", x, 500.0, e.double())),
+        "timestep str": (TypeError, "timestep must be a number or a \\[B\\] tensor, got str", lambda: stream.forward(
+            "cond", x, "5", e)),
+        "timestep bool": (TypeError, "got bool True", lambda: stream.forward("cond", x, True, e)),
+        "timestep nan": (ValueError, r"timestep must be in \[0, 1000\]", lambda: stream.forward(
+            "cond", x, float("nan"), e)),
+        "timestep negative": (ValueError, r"in \[0, 1000\].*got -5.0", lambda: stream.forward("cond", x, -5.0, e)),
+        "timestep tensor nan": (ValueError, r"timestep values must be in \[0, 1000\]", lambda: stream.forward(
+            "cond", x, torch.tensor([float("nan")]), e)),
+    }
+    exc, match, call = calls[case]
+    try:
+        stream.begin_chunk(1)
+        with torch.no_grad():
+            stream.forward("cond", x, 500.0, e)  # the open chunk holds this forward's K/V
+        refused(stream.caches, exc, match, call)
+    finally:
+        stream.detach()
+
+
+def test_generate_chunk_on_a_detached_stream_is_refused_before_begin_chunk(wan):
+    """begin_chunk moved every branch's cache, then the first forward refused the detached stream."""
+    stream, rollout = wan_rollout(wan, chunks=1)
+    stream.detach()
+    before = rollout_state(rollout)
+    with pytest.raises(RuntimeError, match="detached"):
+        rollout.generate_chunk()
+    assert_same_rollout(before, rollout_state(rollout))
+
+
+def test_rollout_noise_and_schedule_are_type_checked(wan):
+    """Integer noise was cast and used; a schedule that is not a Schedule was accepted (and failed
+    at the first chunk)."""
+    from streamkv.integrations.diffusers import WanStreamingRollout
+
+    stream, rollout = wan_rollout(wan, chunks=1)
+    try:
+        before = rollout_state(rollout)
+        with pytest.raises(TypeError, match="noise must be a dense floating tensor"):
+            rollout.generate_chunk(torch.ones(1, 4, 2, 4, 4, dtype=torch.long))
+        assert_same_rollout(before, rollout_state(rollout))
+        with pytest.raises(TypeError, match="schedule must be a streamkv.rollout.Schedule or None, got int"):
+            WanStreamingRollout(stream, guidance=3.0, schedule=5)
+    finally:
+        stream.detach()
