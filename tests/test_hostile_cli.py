@@ -97,6 +97,8 @@ REFUSED = [
     ("rollout --mode graph", "--mode graph captures CUDA graphs: it needs --device cuda"),
     ("rollout --nproc 3", "heads (4) must be divisible by the world size (3)"),
     ("budget --query-scale inf", "--query-scale must be a finite number >= 0"),
+    ("rollout --device tpu", "--device must be cpu or cuda (cuda:N), got 'tpu'"),
+    ("bench --device meta", "--device must be cpu or cuda (cuda:N), got 'meta'"),
 ]
 
 

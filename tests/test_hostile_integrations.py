@@ -340,3 +340,14 @@ def test_rollout_noise_and_schedule_are_type_checked(wan):
             WanStreamingRollout(stream, guidance=3.0, schedule=5)
     finally:
         stream.detach()
+
+
+def test_a_streamkv_cache_for_a_config_of_another_layer_count_is_refused_at_construction(llama):
+    """Accepted; every forward then refused (or, without the mask check, advanced) the stream."""
+    from streamkv.integrations.transformers import StreamKVCache
+
+    kv = build_cache(llama.config, "ring", sink=2, window=8, chunk=4).kv
+    config = copy.deepcopy(llama.config)
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="kv holds 2 layers, the config 3"):
+        StreamKVCache(kv, config=config)

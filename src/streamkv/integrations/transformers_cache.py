@@ -179,6 +179,12 @@ class StreamKVCache(Cache):
             raise ValueError("certifier must be a Certifier watching kv; this one watches another cache")
         if certifier is not None and not certifier.causal:
             raise ValueError("certifier must be built with causal=True (the streamkv attention is position-causal)")
+        if config is not None:
+            cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            layers = getattr(cfg, "num_hidden_layers", None)
+            if isinstance(layers, int) and layers != kv.num_layers:
+                raise ValueError(f"kv holds {kv.num_layers} layers, the config {layers} (num_hidden_layers): build kv "
+                                 f"for the model's decoder layers")
         self.kv = kv
         self.config = config
         self.on_attention = on_attention

@@ -75,6 +75,15 @@ def check_args(args: argparse.Namespace) -> None:
         if value is not None:
             _check_writable(f"--{name}", Path(value), folder=name in OUTPUT_DIRS)
     device = getattr(args, "device", None)
+    if isinstance(device, str):
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}") from None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}")
     if isinstance(device, str) and device.startswith("cuda"):
         import torch
 
