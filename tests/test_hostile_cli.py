@@ -134,6 +134,18 @@ def test_valid_options_reach_the_work(reach, argv, tmp_path, monkeypatch):
         main(argv.split())
 
 
+def test_the_options_given_are_told_apart_from_defaults():
+    """``args._given`` (what a command may refuse when it does not apply) for plain, boolean,
+    appended and default-valued options."""
+    from streamkv.lab.cli import build_parser, given_options
+
+    parser = build_parser()
+    argv = ["bench", "--preset", "krea-realtime-14b", "--preset", "self-forcing", "--no-scaling", "--device", "cpu"]
+    assert given_options(parser, argv) == {"preset", "no_scaling", "device"}
+    assert given_options(parser, ["certify", "--tau", "0.1"]) == {"tau"}  # the default value, given
+    assert given_options(parser, ["certify"]) == set()
+
+
 @pytest.mark.parametrize("tau, expected", [(None, 0.05), ("0.2", 0.2)])
 def test_certify_real_uses_tau(reach, tau, expected):
     """certify --real ran its committed configurations at tau 0.05 whatever --tau said."""

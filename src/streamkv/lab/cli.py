@@ -108,12 +108,20 @@ def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[s
     (parsed again over a namespace where every option holds a marker: argparse fills in the
     defaults only of attributes it does not find)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command = argv[0]
-    sub_parser = sub.choices[command]
-    marker = object()
-    ns = argparse.Namespace(**{a.dest: marker for a in sub_parser._actions if a.dest != argparse.SUPPRESS})
+    sub_parser = sub.choices[argv[0]]
+    markers = {}
+    for a in sub_parser._actions:
+        if a.dest == argparse.SUPPRESS:
+            continue
+        if isinstance(a, (argparse._AppendAction, argparse._AppendConstAction, argparse._ExtendAction)):
+            markers[a.dest] = []  # these actions copy the list they find: given, the value is another list
+        elif isinstance(a, argparse._CountAction):
+            markers[a.dest] = None  # counted from None: given, an int
+        else:
+            markers[a.dest] = object()
+    ns = argparse.Namespace(**markers)
     sub_parser.parse_args(list(argv[1:]), namespace=ns)
-    return {name for name, value in vars(ns).items() if value is not marker and not name.startswith("_")}
+    return {name for name, value in vars(ns).items() if name in markers and value is not markers[name]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
