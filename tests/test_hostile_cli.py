@@ -56,9 +56,10 @@ REFUSED = [
     # counts: a fuzz of 0 calls reported success having tested nothing
     ("fuzz --calls 0", "--calls must be >= 1, got 0"),
     ("fuzz --layouts 0", "--layouts must be >= 1, got 0"),
-    ("fuzz --seed -1", "--seed must be in [0, 2**32), got -1"),
-    ("verify --seed -1", "--seed must be in [0, 2**32), got -1"),
-    ("train-toy --seed -1", "--seed must be in [0, 2**32), got -1"),  # numpy refused it inside the first batch
+    ("fuzz --seed -1", "--seed must be >= 0, got -1"),
+    ("verify --seed -1", "--seed must be >= 0, got -1"),
+    ("train-toy --seed -1", "--seed must be >= 0, got -1"),  # numpy refused it inside the first batch
+    ("rollout --seed 4294967296", "--seed must be < 2**32 (a 32-bit seed), got 4294967296"),
     # certify: the options of the other mode were ignored
     ("certify --real --cache h2o", "--cache: options of the certified rollouts, not of --real"),
     ("certify --real --recall --every 2", "--recall, --every: options of the certified rollouts"),

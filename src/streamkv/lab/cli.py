@@ -68,8 +68,10 @@ def check_args(args: argparse.Namespace) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     seed = getattr(args, "seed", None)
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"--seed must be in [0, 2**32), got {seed}")
+    if seed is not None and seed < SEED_RANGE[0]:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    if seed is not None and seed >= SEED_RANGE[1]:
+        raise ValueError(f"--seed must be < 2**32 (a 32-bit seed), got {seed}")
     for name in OUTPUT_FILES + OUTPUT_DIRS:
         value = getattr(args, name, None)
         if value is not None:
