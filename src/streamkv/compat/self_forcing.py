@@ -116,7 +116,8 @@ class SelfForcingKVCache(Mapping):
         if key not in ("global_end_index", "local_end_index"):
             raise TypeError(f"cache[{key!r}] cannot be assigned: the ring owns its buffers and cursors (only an index "
                             f"set to 0, the reset, can be assigned)")
-        if not isinstance(value, Tensor) or value.numel() != 1 or value.dtype.is_floating_point:
+        if (not isinstance(value, Tensor) or value.numel() != 1 or value.dtype.is_floating_point
+                or value.dtype.is_complex or value.dtype == torch.bool):
             raise TypeError(f"cache[{key!r}] must be assigned a 1-element integer tensor, got {value!r}")
         got = int(value.item())  # a reset: the only host read of a device value
         if got != 0:

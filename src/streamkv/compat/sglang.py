@@ -318,13 +318,14 @@ class RingCausalSelfAttentionKVCache:
                 raise ValueError(f"{name}: {what} must be on the cache device {self._k.device}, got {t.device}")
             if t.requires_grad and torch.is_grad_enabled():
                 raise ValueError(f"{name}: {what} requires grad: pass {what}.detach() or run under torch.no_grad()")
-            if t.untyped_storage().data_ptr() in (self._k.untyped_storage().data_ptr(), self._v.untyped_storage().data_ptr()):
+            if self._shares_memory(t):
                 raise ValueError(f"{name}: {what} shares memory with the cache buffers: pass a tensor of its own")
         n, h = key.shape[1], key.shape[2]
         if value.shape[1:3] != key.shape[1:3] or n < 1:
             raise ValueError(f"{name}: key and value must have the same n >= 1 tokens and heads, got {_desc(key)} and {_desc(value)}")
-        if self._k.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"{name}: the cache buffers are inference tensors: call under torch.inference_mode()")
+        if any(b.is_inference() for b in (self._k, self._v, *(self._own or ()))) and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name}: the cache buffers are inference tensors (made under torch.inference_mode()): "
+                               f"call under torch.inference_mode()")
         h0 = 0
         if h != H:
             if head_start is None:
@@ -336,6 +337,14 @@ class RingCausalSelfAttentionKVCache:
             raise ValueError(f"{name}: this cache serves heads [{self._heads[0]}, {sum(self._heads)}) until "
                              f"reset_indices(); got [{h0}, {h0 + h}) (one cache per head slice)")
         return n, h0, h
+
+    def _shares_memory(self, t: Tensor) -> bool:
+        """``t`` lies in the memory of ``k``/``v`` or of the ring's own buffers (head slices), which
+        the ring's write would refuse only after the ring advanced."""
+        if t.device.type == "meta":
+            return False
+        bufs = (self._k, self._v, *(self._own or ()))
+        return t.untyped_storage().data_ptr() in {b.untyped_storage().data_ptr() for b in bufs}
 
     def _plan_ring(self, upd: Update, n: int, name: str) -> tuple[int, VirtualMap] | None:
         """None when the ring's plain advance ends holding exactly sglang's tokens; else the

@@ -230,32 +230,32 @@ class StreamingWan:
         Mutation: writes the open chunk's slots of every layer of ``branch``'s cache. Runs
         under ``torch.no_grad``.
 
-        Raises:
+        Raises (all before anything changes):
             RuntimeError: detached; processors replaced since attaching; ``branch`` has no
                 open chunk.
             KeyError: an unknown branch.
-            ValueError: ``latents``, ``timestep`` or ``prompt_embeds`` of the wrong shape.
+            ValueError: ``latents``, ``timestep`` or ``prompt_embeds`` of the wrong shape
+                (``text_dim`` not the config's, an empty text) or device, a timestep outside
+                ``[0, 1000]`` or not finite.
+            TypeError: ``latents`` / ``prompt_embeds`` not dense or not of the model's dtype,
+                a timestep that is not a number (``"5"``, ``True``).
         """
-        if self._hook is None:
-            raise RuntimeError("this StreamingWan is detached: build a new one to stream again")
-        replaced = [i for i, p in enumerate(self._processors) if self.model.blocks[i].attn1.processor is not p]
-        if replaced:
-            raise RuntimeError(f"the attn1 processors of blocks {replaced} were replaced after attaching: those layers "
-                               f"would not use the cache; detach() and attach a new StreamingWan")
+        self.check_ready()
         cache = self.caches[branch]
         chunk = cache.open_chunk
         if chunk is None:
             raise RuntimeError(f"branch {branch!r} has no open chunk: call begin_chunk(chunk_idx) first")
+        dtype, device = self.spec.dtype, self.spec.device
         if not isinstance(latents, Tensor) or tuple(latents.shape) != self.latent_shape:
             got = tuple(latents.shape) if isinstance(latents, Tensor) else type(latents).__name__
             raise ValueError(f"latents must have the chunk's shape {self.latent_shape}, got {got}")
-        if not isinstance(prompt_embeds, Tensor) or prompt_embeds.dim() != 3 or prompt_embeds.shape[0] != self.batch:
-            got = tuple(prompt_embeds.shape) if isinstance(prompt_embeds, Tensor) else type(prompt_embeds).__name__
-            raise ValueError(f"prompt_embeds must be [B={self.batch}, text_len, text_dim], got {got}")
-        if not isinstance(timestep, Tensor):
-            timestep = torch.full((self.batch,), float(timestep), device=latents.device)
-        elif tuple(timestep.shape) != (self.batch,):
-            raise ValueError(f"timestep must be a number or [B] = [{self.batch}], got {tuple(timestep.shape)}")
+        if latents.layout != torch.strided or latents.dtype != dtype:
+            raise TypeError(f"latents must be a dense {dtype} tensor (the model's dtype), got {latents.layout} "
+                            f"{latents.dtype}")
+        if latents.device != device:
+            raise ValueError(f"latents must be on the model's device {device}, got {latents.device}")
+        self.check_prompt("prompt_embeds", prompt_embeds, cast=False)
+        timestep = self._timestep(timestep)
         self.state.cache, self.state.frame_start = cache, chunk * self.chunk_frames
         try:
             out = self.model(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
@@ -263,6 +263,52 @@ class StreamingWan:
         finally:
             self.state.cache = self.state.frame_start = None
         return out
+
+    def check_ready(self) -> None:
+        """Raise ``RuntimeError`` unless the stream can run a forward: attached, and the
+        model's ``attn1`` processors still the ones it installed."""
+        if self._hook is None:
+            raise RuntimeError("this StreamingWan is detached: build a new one to stream again")
+        replaced = [i for i, p in enumerate(self._processors) if self.model.blocks[i].attn1.processor is not p]
+        if replaced:
+            raise RuntimeError(f"the attn1 processors of blocks {replaced} were replaced after attaching: those layers "
+                               f"would not use the cache; detach() and attach a new StreamingWan")
+
+    def check_prompt(self, name: str, t: object, *, cast: bool) -> None:
+        """Raise ``ValueError`` / ``TypeError`` unless ``t`` is text states the model takes:
+        ``[B, text_len >= 1, text_dim]`` (the config's ``text_dim``), floating, dense; of the
+        model's dtype and device unless ``cast`` (the rollout converts them)."""
+        text_dim = self.model.config.text_dim
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != self.batch or t.shape[2] != text_dim \
+                or t.shape[1] < 1:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be [B={self.batch}, text_len >= 1, text_dim={text_dim}] (the model's "
+                             f"config.text_dim), got {got}")
+        if t.layout != torch.strided or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a dense floating tensor, got {t.layout} {t.dtype}")
+        if not cast and t.dtype != self.spec.dtype:
+            raise TypeError(f"{name} must be {self.spec.dtype} (the model's dtype), got {t.dtype}")
+        if not cast and t.device != self.spec.device:
+            raise ValueError(f"{name} must be on the model's device {self.spec.device}, got {t.device}")
+
+    def _timestep(self, timestep: object) -> Tensor:
+        """Wan's timestep as ``[B]`` on the model's device: a real number or a ``[B]`` tensor in
+        ``[0, 1000]`` (a tensor's values are read: one host sync per forward)."""
+        if isinstance(timestep, Tensor):
+            if tuple(timestep.shape) != (self.batch,) or timestep.dtype == torch.bool or timestep.dtype.is_complex:
+                raise ValueError(f"timestep must be a number or a real [B] = [{self.batch}] tensor, got "
+                                 f"{tuple(timestep.shape)} {timestep.dtype}")
+            if timestep.device != self.spec.device:
+                raise ValueError(f"timestep must be on the model's device {self.spec.device}, got {timestep.device}")
+            lo, hi = (float(x) for x in torch.aminmax(timestep.double()))
+            if not (0.0 <= lo and hi <= 1000.0):  # NaN fails both
+                raise ValueError(f"timestep values must be in [0, 1000] (Wan's timesteps), got {timestep.tolist()}")
+            return timestep
+        if isinstance(timestep, bool) or not isinstance(timestep, (int, float)):
+            raise TypeError(f"timestep must be a number or a [B] tensor, got {type(timestep).__name__} {timestep!r}")
+        if not 0.0 <= timestep <= 1000.0:
+            raise ValueError(f"timestep must be in [0, 1000] (Wan's timesteps), got {timestep!r}")
+        return torch.full((self.batch,), float(timestep), device=self.spec.device)
 
     def _absolute_rope(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple[Tensor, Tensor]
                        ) -> tuple[Tensor, Tensor]:

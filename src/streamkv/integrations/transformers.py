@@ -87,10 +87,16 @@ linear-attention layers, attention logit soft-capping, attention sinks (``s_aux`
 position bias, packed sequences (``cu_seq_lens``), non-causal attention, attention dropout
 in training, ``output_attentions=True``, custom 4D masks, K/V requiring grad, K/V of another
 batch size, dtype or device, encoder-decoder models, and other attention implementations.
-A refusal before the first layer's write (mask, position ids, forward length, K/V that do not
-fit) leaves the cache unchanged. A forward that stops inside the model (an exception in a
-later layer) leaves its span incomplete: the cache then refuses every forward until
-``cache.reset()``.
+A refusal before the first layer's write leaves the cache unchanged: the mask (padding, a custom
+4D mask: a forward that did not ask the cache for its mask sizes first), a model config with
+another number of decoder layers than the cache (checked by the mask function), position ids
+(checked against the cache's own positions, after ``prepare_step`` too, in eager mode), the
+forward length, K/V that do not fit or that the core's write would refuse (grad under grad mode,
+sparse, memory shared with the cache, inference mode), ``prepare_step`` of a non-int. A forward
+that stops inside the model (an exception in a later layer, a layer index past the cache's last)
+leaves its span incomplete: the cache then refuses every forward until ``cache.reset()``. Not
+checked before the write (the attention function sees them first): a non-causal attention
+module, attention dropout in training, a certifier at another softmax scale than the model's.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ from .transformers_cache import (
     StreamKVCache,
     StreamKVLayer,
     check_attention_kwargs,
+    check_model_config,
 )
 from .transformers_two_tier import build_certifier
 
@@ -219,8 +226,11 @@ def streamkv_mask(
     Raises:
         ValueError: padding (zeros), a mask of another length, a non-causal or overlaid
             mask pattern (sliding window, bidirectional, image-token overlays, packed
-            sequences), or any mask inside a compiled step (pass None there).
+            sequences), or any mask inside a compiled step (pass None there); a cache built
+            for another number of decoder layers than the model's config (``kwargs["config"]``).
     """
+    if not torch.compiler.is_compiling():
+        check_model_config(kwargs.get("config"))
     if mask_function is not causal_mask_function:
         name = getattr(mask_function, "__name__", type(mask_function).__name__)
         raise ValueError(f"the streamkv attention is plain causal attention; this model asks for the mask pattern "

@@ -31,41 +31,25 @@ from transformers.cache_utils import Cache
 
 from ..caches import KVCache, KVRead
 from ..certify import Certifier
+from ..storage import check_int
+from .transformers_checks import (
+    check_attention_kwargs,
+    check_model_config,
+    check_positions,
+    check_states,
+    mark_asked,
+    take_asked,
+)
 from .transformers_layer import StreamKVLayer, refusal
 from .transformers_two_tier import check_certifiers
 
-__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs"]
+__all__ = ["ATTN_IMPLEMENTATION", "KWARG", "Handoff", "StreamKVCache", "StreamKVLayer", "check_attention_kwargs",
+           "check_model_config"]
 
 #: the attention-kwargs key under which a layer's update hands its read to the attention function
 KWARG = "streamkv"
 #: the ``attn_implementation`` name of the streamkv attention function
 ATTN_IMPLEMENTATION = "streamkv"
-
-
-# attention kwargs that change what attention computes: refused
-_REFUSED_KWARGS = {
-    "sliding_window": "sliding-window layers (the cache's own window replaces them)",
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks (s_aux)",
-    "position_bias": "position bias",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens)",
-}
-
-
-def check_attention_kwargs(attn_kwargs: dict[str, Any]) -> None:
-    """Raise ``ValueError`` if the attention kwargs ask for what the streamkv attention does
-    not compute (sliding window, soft-capping, attention sinks, position bias, packed
-    sequences, non-causal attention, attention weights). The cache checks them at each
-    layer's ``update``, before anything is written; the attention function again."""
-    for name, what in _REFUSED_KWARGS.items():
-        if attn_kwargs.get(name) is not None:
-            raise ValueError(
-                f"the streamkv attention does not support {what} ({name}={attn_kwargs[name]!r} was passed)")
-    if attn_kwargs.get("is_causal") is False:
-        raise ValueError("the streamkv attention is causal; is_causal=False is refused")
-    if attn_kwargs.get("output_attentions"):
-        raise ValueError("the streamkv attention does not return attention weights (output_attentions=True)")
 
 
 class Handoff:
@@ -149,6 +133,12 @@ class StreamKVCache(Cache):
             raise ValueError("certifier must be a Certifier watching kv; this one watches another cache")
         if certifier is not None and not certifier.causal:
             raise ValueError("certifier must be built with causal=True (the streamkv attention is position-causal)")
+        if config is not None:
+            cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            layers = getattr(cfg, "num_hidden_layers", None)
+            if isinstance(layers, int) and layers != kv.num_layers:
+                raise ValueError(f"kv holds {kv.num_layers} layers, the config {layers} (num_hidden_layers): build kv "
+                                 f"for the model's decoder layers")
         self.kv = kv
         self.config = config
         self.on_attention = on_attention
@@ -158,6 +148,7 @@ class StreamKVCache(Cache):
         self._written = 0  # layers written in the open span
         self._attended = 0  # layers attended by streamkv_attention in the open span
         self._prepared = False  # prepare_step opened the span of the next forward
+        self._stale: str | None = None  # why the stream must be reset before the next forward
         super().__init__(layers=[StreamKVLayer(self, i) for i in range(kv.num_layers)])
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,7 +172,11 @@ class StreamKVCache(Cache):
             RuntimeError: the previous forward did not complete (see :meth:`update`), a step
                 is already prepared, or the cache runs eagerly only (:attr:`eager_only`).
             ValueError: ``n`` not in ``[1, chunk]``.
+            TypeError: ``n`` not an int (``1.0``, ``True``).
+
+        All raised before anything changes.
         """
+        n = check_int("n", n)  # before anything: prepare_step(1.0) must not commit, then refuse
         if self.eager_only:
             raise RuntimeError(refusal("prepare_step (compiled steps)", _EAGER_ONLY))
         if self._prepared:
@@ -199,6 +194,8 @@ class StreamKVCache(Cache):
                 f"a forward holds 1 to chunk={C} tokens (the cache's largest span), got {n}: prefill in chunks of at "
                 f"most {C} tokens (generate(..., prefill_chunk_size={C})) or build the cache with a larger chunk"
             )
+        if self._stale is not None:
+            raise RuntimeError(f"{self._stale}: call reset() and start the stream again")
         if kv.is_open and self._written != L:
             raise RuntimeError(
                 f"the previous forward stopped after writing {self._written} and attending {self._attended} of {L} "
@@ -207,24 +204,11 @@ class StreamKVCache(Cache):
         if kv.is_open:
             self._check_attended()
         if position_ids is not None:
-            self._check_positions(position_ids, kv.end, n)
+            check_positions(position_ids, kv.end, n)
         if kv.is_open:
             kv.commit()
         kv.begin_tokens(n)
         self._written = self._attended = 0
-
-    @staticmethod
-    def _check_positions(position_ids: Tensor, start: int, n: int) -> None:
-        if position_ids.dim() != 2 or position_ids.shape[-1] != n:
-            raise ValueError(
-                f"position_ids must be [batch or 1, {n}] for a forward of {n} tokens, got {tuple(position_ids.shape)}"
-            )
-        want = torch.arange(start, start + n, device=position_ids.device)
-        if not bool((position_ids == want).all()):
-            raise ValueError(
-                f"position_ids must be the stream's next positions [{start}, {start + n}) in every row (no padding, "
-                f"no restart): the cache holds {start} positions, got {position_ids[0].tolist()} in row 0"
-            )
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -244,7 +228,8 @@ class StreamKVCache(Cache):
                 (:func:`check_attention_kwargs`). All raised before layer 0 changes anything.
         """
         L = self.num_layers
-        if torch.compiler.is_compiling() and self.eager_only:
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.eager_only:
             _refuse_compiled()  # a graph break that raises when the compiled forward runs
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):
@@ -254,14 +239,24 @@ class StreamKVCache(Cache):
                 "attention function; this model's attention module does not pass it"
             )
         check_attention_kwargs(attn_kwargs)
+        layer_idx = self._check_layer(layer_idx)
         self.check_states(key_states, value_states, layer_idx)
+        n = key_states.shape[-2]
+        if layer_idx == 0 and not compiling:
+            take_asked(self)
         if layer_idx == 0 and not self._prepared:
-            self._advance(key_states.shape[-2], attn_kwargs.get("position_ids"))
+            self._advance(n, attn_kwargs.get("position_ids"))
         elif layer_idx != self._written:
             raise RuntimeError(
                 f"layers must be updated in order once per forward: expected layer {self._written % L}, got "
                 f"{layer_idx}; call reset() and start the stream again"
             )
+        elif layer_idx == 0 and not compiling:  # prepare_step opened the span: its length and positions
+            start, m = self.kv.open_span
+            if n != m:
+                raise ValueError(f"prepare_step({m}) opened {m} positions; this forward has {n} tokens")
+            if attn_kwargs.get("position_ids") is not None:
+                check_positions(attn_kwargs["position_ids"], start, n)
         self._check_attended()
         if self.token_major:
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
@@ -274,6 +269,22 @@ class StreamKVCache(Cache):
         self._prepared = False
         self._written += 1
         return keys, values
+
+    def _check_layer(self, layer_idx: Any) -> int:
+        """``layer_idx`` as an int in ``[0, num_layers)``; refused before anything changes. A layer
+        past the cache's last one after every layer of this forward was written (a model with more
+        decoder layers than the cache, whose masks did not go through the streamkv mask function)
+        leaves the stream to be reset: the next forward is refused instead of advancing it."""
+        layer = check_int("layer_idx", layer_idx)
+        L = self.num_layers
+        if not 0 <= layer < L:
+            if layer == L and self._written == L and self.kv.is_open and self._stale is None:
+                self._stale = f"the last forward reached layer {L}, past this cache's {L} layers"
+            raise ValueError(
+                f"layer_idx must be in [0, {L}): this StreamKVCache holds {L} decoder layers, got layer {layer}; "
+                f"build the cache from the model's config (build_cache(model.config, ...))"
+            )
+        return layer
 
     def _check_attended(self) -> None:
         """Every layer written in the open span was attended by the streamkv attention function."""
@@ -310,24 +321,10 @@ class StreamKVCache(Cache):
             self.on_attention(layer, query, read, out)
 
     def check_states(self, key_states: Tensor, value_states: Tensor, layer: int) -> None:
-        """Raise ``ValueError``/``TypeError`` unless K/V ``[B, H_kv, n, D]`` fit the cache
-        (shape, dtype, device): checked before layer 0 opens the span, so a refused forward
-        changes nothing."""
-        kv = self.kv
-        batch, heads = kv.k_shape[0], kv.k_shape[kv.head_dim]  # either layout
-        for name, t, dim in (("key", key_states, kv.k_shape[-1]), ("value", value_states, kv.v_shape[-1])):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name}_states must be a Tensor, got {type(t).__name__}")
-            if t.dim() != 4 or t.shape[:2] != (batch, heads) or t.shape[-1] != dim:
-                raise ValueError(
-                    f"layer {layer} {name}_states must be [batch={batch}, kv_heads={heads}, n, {dim}] "
-                    f"(the cache was built for that batch and model), got {tuple(t.shape)}"
-                )
-            if t.dtype != kv.dtype:
-                raise TypeError(f"layer {layer} {name}_states are {t.dtype}, the cache holds {kv.dtype}: build it with "
-                                f"the model's compute dtype")
-            if t.device != kv.device:
-                raise ValueError(f"layer {layer} {name}_states are on {t.device}, the cache on {kv.device}")
+        """Raise ``ValueError``/``TypeError``/``RuntimeError`` unless K/V ``[B, H_kv, n, D]`` fit
+        the cache as the core's write will check them (:func:`.transformers_checks.check_states`):
+        checked before layer 0 opens the span, so a refused forward changes nothing."""
+        check_states(self.kv, key_states, value_states, layer)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions entered by the forwards so far (a span opened by ``prepare_step`` not
@@ -355,6 +352,7 @@ class StreamKVCache(Cache):
         if torch.compiler.is_compiling():
             return self.kv.layout.capacity, 0
         impl = getattr(self.config, "_attn_implementation", ATTN_IMPLEMENTATION)
+        mark_asked(None)
         if impl != ATTN_IMPLEMENTATION:
             raise RuntimeError(
                 f"StreamKVCache ({self.kv.name}) needs attn_implementation='streamkv' (its keys lie in slot order); "
@@ -362,6 +360,7 @@ class StreamKVCache(Cache):
                 f"attn_implementation='streamkv' or call model.set_attn_implementation('streamkv'), and build the "
                 f"cache from model.config"
             )
+        mark_asked(self)  # this forward's cache: the mask function and layer 0 check against it
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
@@ -369,6 +368,7 @@ class StreamKVCache(Cache):
         self.kv.reset()
         self._written = self._attended = 0
         self._prepared = False
+        self._stale = None
 
     # ------------------------------------------------------------------ refused
     def reorder_cache(self, beam_idx: Tensor) -> None:

@@ -67,12 +67,14 @@ class WanStreamingRollout:
         if missing:
             raise ValueError(f"guidance {guidance} needs cache branches {list(self.branches)}; the stream has "
                              f"{list(stream.caches.branches)} (build it with branches=('cond', 'uncond'))")
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a streamkv.rollout.Schedule or None, got {type(schedule).__name__}")
         self.stream = stream
         self.guidance = float(guidance)
         self.schedule = schedule or Schedule()
         param = stream.model.blocks[0].attn1.to_k.weight
         self.dtype, self.device = param.dtype, param.device
-        self._gen = torch.Generator(device=self.device).manual_seed(check_int("seed", seed))
+        self._gen = torch.Generator(device=self.device).manual_seed(_seed(seed))
         self._prompts: dict[str, Tensor] = {}
         self._chunk = 0
         self.chunk_seconds: list[float] = []
@@ -81,22 +83,28 @@ class WanStreamingRollout:
     def set_prompt(self, prompt_embeds: Tensor, negative_prompt_embeds: Tensor | None = None, *,
                    seed: int | None = None) -> None:
         """Start a new stream: reset the rollout's caches and take the text states
-        (``[B, text_len, text_dim]``; the negative ones are required when guidance > 1).
-        ``seed`` re-seeds the noise (otherwise its sequence continues)."""
+        (``[B, text_len, text_dim]``, floating, converted to the model's dtype and device; the
+        negative ones are required when guidance > 1, refused otherwise). ``seed`` re-seeds the
+        noise (otherwise its sequence continues). Every argument is checked before the reset:
+        a refused call changes nothing."""
         prompts = {"cond": prompt_embeds}
         if self.guidance > 1.0:
             if negative_prompt_embeds is None:
                 raise ValueError(f"guidance {self.guidance} > 1 needs negative_prompt_embeds (the uncond branch)")
             prompts["uncond"] = negative_prompt_embeds
+        elif negative_prompt_embeds is not None:
+            raise ValueError(f"negative_prompt_embeds given, but guidance {self.guidance} runs the cond branch only "
+                             f"(they would be ignored)")
         for name, t in prompts.items():
-            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != self.stream.batch:
-                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"{name} prompt states must be [B={self.stream.batch}, text_len, text_dim], got {got}")
+            self.stream.check_prompt(f"{name} prompt states", t, cast=True)
+        seed = None if seed is None else _seed(seed)
+        self.stream.check_ready()
+        # every check passed: nothing below refuses
         self.stream.reset(self.branches)
         self._prompts = {b: t.to(device=self.device, dtype=self.dtype) for b, t in prompts.items()}
         self._chunk = 0
         if seed is not None:
-            self._gen.manual_seed(check_int("seed", seed))
+            self._gen.manual_seed(seed)
 
     @property
     def chunk_idx(self) -> int:
@@ -112,11 +120,14 @@ class WanStreamingRollout:
         rewrites it."""
         if not self._prompts:
             raise RuntimeError("set_prompt(...) before generating")
+        self.stream.check_ready()  # before begin_chunk moves the caches
         shape = self.stream.latent_shape
         if noise is not None:
             if not isinstance(noise, Tensor) or tuple(noise.shape) != shape:
                 got = tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__
                 raise ValueError(f"noise must have the chunk's latent shape {shape}, got {got}")
+            if noise.layout != torch.strided or not noise.dtype.is_floating_point:
+                raise TypeError(f"noise must be a dense floating tensor, got {noise.layout} {noise.dtype}")
             noise = noise.to(device=self.device, dtype=self.dtype)
         c = self._chunk
         t0 = time.perf_counter()
@@ -155,3 +166,11 @@ class WanStreamingRollout:
         if self.guidance == 1.0:
             return flows["cond"]
         return flows["uncond"] + self.guidance * (flows["cond"] - flows["uncond"])
+
+
+def _seed(seed: object) -> int:
+    """``seed`` as an int that ``torch.Generator.manual_seed`` takes (``[-2**63, 2**64)``)."""
+    seed = check_int("seed", seed)
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator.manual_seed), got {seed}")
+    return seed

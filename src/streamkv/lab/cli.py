@@ -1,8 +1,12 @@
 """The ``streamkv`` command: thin subcommands over the library (no logic here).
 
 Each subcommand is a module of :mod:`streamkv.lab.commands` with ``add_arguments(parser)``
-and ``run(args)``; the modules import torch and the library only inside ``run``, so
-``streamkv --help`` is instant. Errors go to stderr with exit status 2.
+and ``run(args)``, and optionally ``check(args)``; the modules import torch and the library only
+inside ``check`` and ``run``, so ``streamkv --help`` is instant. Every option is either used or
+refused, and every bound is checked before any work: :func:`check_args` (counts, seeds, output
+paths, devices) and then the command's ``check`` run before ``run``; ``args._given`` names the
+options given on the command line (so that a command can refuse an option that does not apply
+to what it runs, rather than ignore it). Errors go to stderr, one line, with exit status 2.
 """
 
 from __future__ import annotations
@@ -47,8 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: options that count something, and their smallest sensible value (checked before any work)
 COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "nproc": 1, "repeats": 1,
-          "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 1, "recall_slots": 1,
-          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "steps": 1}
+          "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 0, "recall_slots": 1,
+          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "calls": 1, "steps": 1, "batch": 1, "clips": 1,
+          "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0}
+#: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
+SEED_RANGE = (0, 2**32)
 #: options naming an output file, and options naming an output folder
 OUTPUT_FILES, OUTPUT_DIRS = ("json", "plot"), ("out",)
 
@@ -58,13 +65,27 @@ def check_args(args: argparse.Namespace) -> None:
     a CUDA device on a machine without one. Raises ``ValueError`` / ``RuntimeError`` (exit 2)."""
     for name, minimum in COUNTS.items():
         value = getattr(args, name, None)
-        if value is not None and value < minimum:
+        if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    seed = getattr(args, "seed", None)
+    if seed is not None and seed < SEED_RANGE[0]:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    if seed is not None and seed >= SEED_RANGE[1]:
+        raise ValueError(f"--seed must be < 2**32 (a 32-bit seed), got {seed}")
     for name in OUTPUT_FILES + OUTPUT_DIRS:
         value = getattr(args, name, None)
         if value is not None:
             _check_writable(f"--{name}", Path(value), folder=name in OUTPUT_DIRS)
     device = getattr(args, "device", None)
+    if isinstance(device, str):
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}") from None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}")
     if isinstance(device, str) and device.startswith("cuda"):
         import torch
 
@@ -88,12 +109,37 @@ def _check_writable(flag: str, path: Path, folder: bool) -> None:
 LAB_EXTRA = ("numpy", "rich", "matplotlib", "safetensors")
 
 
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The ``dest`` of every option of the subcommand in ``argv`` given on the command line
+    (parsed again over a namespace where every option holds a marker: argparse fills in the
+    defaults only of attributes it does not find)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub_parser = sub.choices[argv[0]]
+    markers = {}
+    for a in sub_parser._actions:
+        if a.dest == argparse.SUPPRESS:
+            continue
+        if isinstance(a, (argparse._AppendAction, argparse._AppendConstAction, argparse._ExtendAction)):
+            markers[a.dest] = []  # these actions copy the list they find: given, the value is another list
+        elif isinstance(a, argparse._CountAction):
+            markers[a.dest] = None  # counted from None: given, an int
+        else:
+            markers[a.dest] = object()
+    ns = argparse.Namespace(**markers)
+    sub_parser.parse_args(list(argv[1:]), namespace=ns)
+    return {name for name, value in vars(ns).items() if name in markers and value is not markers[name]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args._given = given_options(parser, argv)
     try:
         check_args(args)
         module = importlib.import_module(f"streamkv.lab.commands.{args._module}")
+        if hasattr(module, "check"):
+            module.check(args)
         return int(module.run(args) or 0)
     except ModuleNotFoundError as exc:
         if exc.name not in LAB_EXTRA:

@@ -161,6 +161,21 @@ def _per_head(console, title: str, sec: dict) -> None:
     console.print(t)
 
 
+def check(args: argparse.Namespace) -> None:
+    """Every bound before any work (``ValueError``)."""
+    import math
+
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if not 2 <= args.dit_chunks <= 32:
+        raise ValueError(f"--dit-chunks must be in [2, 32] (the tiny model's RoPE horizon), got {args.dit_chunks}")
+    if args.dit_window_frames < 4:
+        raise ValueError(f"--dit-window-frames must be >= 4 (the mass cache holds two 2-frame chunks), got "
+                         f"{args.dit_window_frames}")
+    if not (math.isfinite(args.query_scale) and args.query_scale >= 0):
+        raise ValueError(f"--query-scale must be a finite number >= 0 (0 skips the variant), got {args.query_scale}")
+
+
 def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
@@ -170,15 +185,7 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
 
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    if not 2 <= args.dit_chunks <= 32:
-        raise ValueError(f"--dit-chunks must be in [2, 32] (the tiny model's RoPE horizon), got {args.dit_chunks}")
-    if args.dit_window_frames < 4:
-        raise ValueError(f"--dit-window-frames must be >= 4 (the mass cache holds two 2-frame chunks), got "
-                         f"{args.dit_window_frames}")
-    if not args.query_scale >= 0:
-        raise ValueError(f"--query-scale must be >= 0 (0 skips the variant), got {args.query_scale}")
+    check(args)
     cfg = StreamingBudgetConfig(syn_taus=args.syn_taus, dit_taus=args.dit_taus, dit_chunks=args.dit_chunks,
                                 dit_window_frames=args.dit_window_frames,
                                 dit_query_scale=args.query_scale or None, seed=args.seed)

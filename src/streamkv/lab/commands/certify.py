@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="summarise evicted keys as per-token 8- or 4-bit sketches (the two-tier cache) instead of "
                         "block boxes")
     p.add_argument("--tau", type=float, default=0.1,
-                   help="recall threshold on the certified dropped mass (with --recall), default 0.1")
+                   help="recall threshold on the certified dropped mass (with --recall; without it the oracle "
+                        "column's threshold), default 0.1; with --real: the two-tier cache's recall threshold (and "
+                        "the mass cache's tau beside it), default 0.05")
     p.add_argument("--recall", action="store_true",
                    help="recall evicted blocks from the offload store until every query's m_hat <= tau")
     p.add_argument("--recall-slots", type=int, default=None, metavar="N",
@@ -64,40 +66,116 @@ def _kib(b: float) -> str:
     return f"{b / 1024:.1f}"
 
 
-def _real(args: argparse.Namespace) -> int:
-    from rich.table import Table
+#: options of the certified rollouts (without --real) and of the two-tier comparison (--real only)
+PLAIN_ONLY = ("cache", "sketch_bits", "recall", "recall_slots", "budget_tau", "box_dtype", "pool_events",
+              "block_tokens", "max_blocks", "dit_chunks", "synthetic_frames", "every")
+REAL_ONLY = ("datasets", "tokens", "lm_layers", "lm_chunk", "video_frames", "perplexity")
 
-    from rich.console import Console
 
-    from streamkv.lab.commands._common import write_json
-    from streamkv.lab.env import environment
-    from streamkv.lab.experiments.twotier import plot_real, run_real, smollm2_stream, video_stream
+def _flags(names) -> str:
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names)
 
+
+def _datasets(args: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     bad = [n for n in names if n not in ("smollm2", "video")]
-    if bad or not names:
-        raise ValueError(f"--datasets must name smollm2 and/or video, got {args.datasets!r}")
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"--datasets must name smollm2 and/or video (each once), got {args.datasets!r}")
+    return names
+
+
+def _lm_layers(args: argparse.Namespace) -> list[int]:
     try:
         layers = [int(x) for x in args.lm_layers.split(",")]
     except ValueError:
         raise ValueError(f"--lm-layers must be comma-separated integers, got {args.lm_layers!r}") from None
     if any(x < 0 or x > 29 for x in layers) or len(set(layers)) != len(layers):
         raise ValueError(f"--lm-layers must be distinct layers of SmolLM2's 0..29, got {args.lm_layers!r}")
-    for name in ("tokens", "lm_chunk", "video_frames"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.tokens % args.lm_chunk or args.tokens > 8192:
-        raise ValueError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "
-                         f"got {args.tokens} and {args.lm_chunk}")
+    return layers
+
+
+def _lm_config(args: argparse.Namespace):
+    from streamkv.lab.experiments.twotier_lm import TwoTierLMConfig
+
+    extra = {} if _real_tau(args) is None else {"tau": _real_tau(args)}
+    return TwoTierLMConfig(tokens=args.tokens, chunk=args.lm_chunk, **extra)
+
+
+def _real_tau(args: argparse.Namespace) -> float | None:
+    """--tau with --real when given (None: the committed configurations' 0.05)."""
+    return args.tau if "tau" in getattr(args, "_given", ()) else None
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every option of the mode that runs is checked, and every option of the other mode refused,
+    before any work (``ValueError``)."""
+    from streamkv.budget.mass import check_tau
+
+    given = getattr(args, "_given", set())
+    if args.real:
+        wrong = [n for n in PLAIN_ONLY if n in given]
+        if wrong:
+            raise ValueError(f"{_flags(wrong)}: options of the certified rollouts, not of --real (the two-tier "
+                             f"comparison); leave them out")
+        names = _datasets(args)
+        lm = "smollm2" in names or args.perplexity
+        unused = [n for n in ("tokens", "lm_chunk") if n in given and not lm]
+        unused += [n for n in ("lm_layers",) if n in given and "smollm2" not in names]
+        unused += [n for n in ("video_frames", "seed") if n in given and "video" not in names]
+        if unused:
+            raise ValueError(f"{_flags(unused)}: apply to datasets (or --perplexity) this run does not include "
+                             f"(--datasets {args.datasets}); leave them out")
+        _lm_layers(args)
+        if args.tokens % args.lm_chunk or args.tokens > 8192:
+            raise ValueError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "
+                             f"got {args.tokens} and {args.lm_chunk}")
+        if _real_tau(args) is not None:
+            check_tau(args.tau, "--tau")
+        if args.perplexity:
+            _lm_config(args).check()
+        return
+    wrong = [n for n in REAL_ONLY if n in given]
+    if wrong:
+        raise ValueError(f"{_flags(wrong)}: options of --real (the two-tier comparison); add --real or leave them out")
+    check_tau(args.tau, "--tau")
+    check_tau(args.budget_tau, "--budget-tau")
+    if "recall_slots" in given and not args.recall:
+        raise ValueError("--recall-slots bounds the recall slots: it needs --recall")
+    if "budget_tau" in given and args.cache != "mass":
+        raise ValueError(f"--budget-tau is the mass cache's own budget: it needs --cache mass, got --cache {args.cache}")
+    boxes = [n for n in ("box_dtype", "pool_events", "max_blocks") if n in given]
+    if args.sketch_bits is not None and boxes:
+        raise ValueError(f"{_flags(boxes)}: options of the block boxes, which --sketch-bits replaces; leave them out")
+    from streamkv.models.config import get_config
+
+    horizon = get_config("tiny").max_chunks
+    if args.dit_chunks is not None and args.dit_chunks > horizon:
+        raise ValueError(f"--dit-chunks must be <= {horizon} (the tiny DiT's RoPE horizon), got {args.dit_chunks}")
+
+
+def _real(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from rich.table import Table
+
+    from rich.console import Console
+
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment
+    from streamkv.lab.experiments.twotier import DEFAULT_CONFIGS, plot_real, run_real, smollm2_stream, video_stream
+
+    check(args)
+    names, layers, tau = _datasets(args), _lm_layers(args), _real_tau(args)
+    configs = {n: tuple(c if tau is None else replace(c, tau=tau) for c in DEFAULT_CONFIGS[n]) for n in names}
     builders = {"smollm2": lambda: smollm2_stream(tokens=args.tokens, chunk=args.lm_chunk, layers=layers),
                 "video": lambda: video_stream(frames=args.video_frames, seed=args.seed)}
     con = Console(width=210)  # the tables are wide
     with con.status("two-tier") as status:
-        result = run_real({n: builders[n] for n in names}, progress=status.update)
+        result = run_real({n: builders[n] for n in names}, configs=configs, progress=status.update)
         if args.perplexity:
-            from streamkv.lab.experiments.twotier_lm import TwoTierLMConfig, run_twotier_lm
+            from streamkv.lab.experiments.twotier_lm import run_twotier_lm
 
-            lm = run_twotier_lm(TwoTierLMConfig(tokens=args.tokens, chunk=args.lm_chunk),
+            lm = run_twotier_lm(_lm_config(args),
                                 progress=lambda name, n: status.update(f"smollm2 perplexity: {name} {n}/{args.tokens}"))
             result["datasets"]["smollm2_lm"] = {"info": {"tokens": args.tokens, "chunk": args.lm_chunk,
                                                          "every_layer": True}, **lm}
@@ -165,14 +243,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from streamkv.budget.mass import check_tau
     from streamkv.lab.experiments.certify import SummaryOptions, plot_certify, run_certify
     from streamkv.lab.experiments.qkv import QKVConfig
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
 
-    check_tau(args.tau, "--tau")
-    check_tau(args.budget_tau, "--budget-tau")
+    check(args)
     for name in ("recall_slots", "dit_chunks", "max_blocks", "synthetic_frames"):
         v = getattr(args, name)
         if v is not None and v < 1:

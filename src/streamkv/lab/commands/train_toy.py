@@ -23,6 +23,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="weights path (default: the packaged streamkv/lab/video/weights/toy.safetensors)")
 
 
+def check(args: argparse.Namespace):
+    """Every bound before any work (``ValueError``): the settings (:class:`TrainConfig`), the
+    threads, the training window against the toy model's chunk and horizon, the output path.
+    Returns the :class:`TrainConfig`."""
+    from pathlib import Path
+
+    from streamkv.lab.video.config import TrainConfig
+    from streamkv.lab.video.toy import toy_config
+
+    if not 1 <= args.threads <= 2:
+        raise ValueError(f"--threads must be 1 or 2 (the machine is shared), got {args.threads}")
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, frames=args.frames, lr=args.lr,
+                      sprite_weight=args.sprite_weight, threads=args.threads)
+    model = toy_config()
+    if cfg.frames % model.frames_per_chunk or not model.frames_per_chunk <= cfg.frames <= model.max_frames:
+        raise ValueError(f"--frames must be a multiple of the toy model's {model.frames_per_chunk}-frame chunk, at most "
+                         f"its {model.max_frames}-frame horizon, got {cfg.frames}")
+    if args.out and Path(args.out).suffix != ".safetensors":
+        raise ValueError(f"--out must end in .safetensors, got {args.out}")
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     import shlex
     import sys
@@ -35,15 +57,10 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._rollout_report import progress_bar
     from streamkv.lab.env import environment
     from streamkv.lab.video.toy import WEIGHTS, check_rollout, save_model
-    from streamkv.lab.video.train import TrainConfig, train
+    from streamkv.lab.video.train import train
 
-    if not 1 <= args.threads <= 2:
-        raise ValueError(f"--threads must be 1 or 2 (the machine is shared), got {args.threads}")
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, frames=args.frames, lr=args.lr,
-                      sprite_weight=args.sprite_weight, threads=args.threads)
+    cfg = check(args)
     weights = Path(args.out) if args.out else WEIGHTS
-    if weights.suffix != ".safetensors":
-        raise ValueError(f"--out must end in .safetensors, got {weights}")
     console = make_console()
     with progress_bar(console) as progress:
         task = progress.add_task("training", total=cfg.steps)
@@ -58,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         before = torch.get_num_threads()
         torch.set_num_threads(cfg.threads)
         try:
-            check = check_rollout(result.model)
+            expected = check_rollout(result.model)
         finally:
             torch.set_num_threads(before)
     record = {
@@ -66,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
         else "streamkv train-toy",
         "seed": cfg.seed, "model_config": result.model.cfg.to_dict(), **result.record(),
         "check_rollout": {"file": weights.with_name(weights.stem + "_expected.safetensors").name,
-                          "abs_mean": float(check.abs().mean())},
+                          "abs_mean": float(expected.abs().mean())},
         "versions": environment("cpu"),
     }
     save_model(result.model, weights, {"seed": cfg.seed, "steps": cfg.steps, "frames": cfg.frames,
                                         "wall_s": result.wall_s})
-    save_file({"latents": check.contiguous()}, str(weights.with_name(weights.stem + "_expected.safetensors")))
+    save_file({"latents": expected.contiguous()}, str(weights.with_name(weights.stem + "_expected.safetensors")))
     write_json(weights.with_suffix(".json"), record)
     console.print(f"trained {cfg.steps} steps in {result.wall_s:.0f} s; loss {record['loss_first']:.4f} -> "
                   f"{record['loss_final_mean_last_5pct']:.4f} (mean of the last 5%)")

@@ -35,6 +35,9 @@ class LMEvalConfig:
         model's trained context)."""
         if self.tokens < 2 or self.segment < 2:
             raise ValueError(f"tokens and segment must be >= 2, got {self.tokens} and {self.segment}")
+        if self.error_stride < 1 or self.oracle_span < 1 or self.sink < 0:
+            raise ValueError(f"error_stride and oracle_span must be >= 1 and sink >= 0, got {self.error_stride}, "
+                             f"{self.oracle_span} and {self.sink}")
         if self.segment > context:
             raise ValueError(f"segment ({self.segment}) must not exceed the model's trained context ({context})")
         if self.tokens % self.segment:
@@ -70,8 +73,6 @@ class LMEvalConfig:
             return self.segment
         C = max(self.chunks)
         return max(0, self.segment - self.decode) // C * C
-        if self.error_stride < 1 or self.oracle_span < 1 or self.sink < 0:
-            raise ValueError("error_stride and oracle_span must be >= 1 and sink >= 0")
 
 
 def cache_runs(cfg: LMEvalConfig) -> list[tuple[str, str, dict[str, Any]]]:

@@ -64,6 +64,12 @@ class EvalConfig:
     min_reentry_gap: int = 2
     min_revisit_gap: int = 4
 
+    def run_kinds(self) -> tuple[str, ...]:
+        """The kinds compared (the default: :func:`~streamkv.lab.kinds.compared_kinds`)."""
+        from streamkv.lab.kinds import check_kinds, compared_kinds
+
+        return check_kinds(self.kinds, compared_kinds())
+
     def __post_init__(self) -> None:
         if self.clips < 1 or self.frames % 2 or self.frames <= CONTEXT_FRAMES:
             raise ValueError(f"clips >= 1 and an even frames > {CONTEXT_FRAMES} needed, got {self.clips}, {self.frames}")

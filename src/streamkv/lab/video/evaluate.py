@@ -34,8 +34,6 @@ from streamkv.models import CausalVideoDiT
 from . import data, metrics
 from .attention_stats import AttentionProfile, profile_json
 from .config import CONTEXT_FRAMES, EvalConfig
-from streamkv.lab.kinds import check_kinds, compared_kinds
-
 from .runs import cache_run_spec, run_stream
 
 __all__ = ["EvalConfig", "evaluate"]
@@ -125,8 +123,7 @@ def evaluate(model: CausalVideoDiT, cfg: EvalConfig, progress: Callable[[str], N
     t0 = time.perf_counter()
     tpf, fpc = model.cfg.tokens_per_frame, model.cfg.frames_per_chunk
     first = CONTEXT_FRAMES // fpc
-    kinds = check_kinds(cfg.kinds, compared_kinds())
-    specs = [cache_run_spec(k, c, tau=cfg.tau) for c in cfg.capacities for k in kinds]
+    specs = [cache_run_spec(k, c, tau=cfg.tau) for c in cfg.capacities for k in cfg.run_kinds()]
     chrono = cache_run_spec("chronological", cfg.capacities[0])
     full_spec = cache_run_spec("full", 0, total_frames=cfg.frames)
     accs = {s.label: _Acc() for s in [full_spec, *specs]}

@@ -1,0 +1,158 @@
+"""The CLI as a careless or hostile user drives it (issue 18, item 6): every option is either
+used or refused, every bound is checked before any work (no model built, no text read, no
+stream run), counts are >= 1, and a bad file is one line on stderr with exit status 2, never a
+traceback. Each refused case here ran vacuous or ignored work, or failed late, before the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from streamkv.lab.cli import SUBCOMMANDS, main
+
+#: the functions where each command's work starts (patched: reaching one is "work started")
+WORK = [
+    "streamkv.lab.fuzz.run_fuzz", "streamkv.lab.experiments.certify.run_certify",
+    "streamkv.lab.experiments.twotier.run_real", "streamkv.lab.smollm2.load_smollm2",
+    "streamkv.lab.video.toy.load_model", "streamkv.lab.video.train.train",
+    "streamkv.lab.experiments.rollout_compare.compare_rollouts",
+    "streamkv.lab.experiments.diffusers_wan.run_diffusers_wan",
+    "streamkv.lab.experiments.cp_compare.compare_context_parallel", "streamkv.lab.experiments.pareto.run_pareto",
+    "streamkv.lab.budget.run_streaming_budget", "streamkv.lab.experiments.verify.run_verify",
+]
+
+
+class Reached(Exception):
+    """The command got to its work (with these arguments)."""
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command's run() and every work function raise: a refusal must come first."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    for module, _ in SUBCOMMANDS.values():
+        monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{module}"), "run", must_not_run)
+    for path in WORK:
+        mod, name = path.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(mod), name, must_not_run)
+
+
+@pytest.fixture
+def reach(monkeypatch):
+    """Every work function raises :class:`Reached` with its arguments (the commands' run() is real)."""
+    def reached(*args, **kwargs):
+        raise Reached(args, kwargs)
+
+    for path in WORK:
+        mod, name = path.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(mod), name, reached)
+
+
+REFUSED = [
+    # counts: a fuzz of 0 calls reported success having tested nothing
+    ("fuzz --calls 0", "--calls must be >= 1, got 0"),
+    ("fuzz --layouts 0", "--layouts must be >= 1, got 0"),
+    ("fuzz --seed -1", "--seed must be >= 0, got -1"),
+    ("verify --seed -1", "--seed must be >= 0, got -1"),
+    ("train-toy --seed -1", "--seed must be >= 0, got -1"),  # numpy refused it inside the first batch
+    ("rollout --seed 4294967296", "--seed must be < 2**32 (a 32-bit seed), got 4294967296"),
+    # certify: the options of the other mode were ignored
+    ("certify --real --cache h2o", "--cache: options of the certified rollouts, not of --real"),
+    ("certify --real --recall --every 2", "--recall, --every: options of the certified rollouts"),
+    ("certify --tokens 64", "--tokens: options of --real"),
+    ("certify --perplexity", "--perplexity: options of --real"),
+    ("certify --real --datasets video --lm-layers 2", "--lm-layers: apply to datasets (or --perplexity) this run"),
+    ("certify --real --datasets smollm2 --video-frames 10", "--video-frames: apply to datasets"),
+    ("certify --real --tau 1.5", "--tau must be in the open interval (0, 1), got 1.5"),
+    ("certify --real --perplexity --tokens 64", "must hold two chunks beyond the sinks and be < tokens (64)"),
+    ("certify --recall-slots 5", "--recall-slots bounds the recall slots: it needs --recall"),
+    ("certify --budget-tau 0.2", "--budget-tau is the mass cache's own budget: it needs --cache mass"),
+    ("certify --sketch-bits 8 --box-dtype float32", "--box-dtype: options of the block boxes, which --sketch-bits"),
+    ("certify --dit-chunks 33", "--dit-chunks must be <= 32 (the tiny DiT's RoPE horizon), got 33"),
+    # lm-eval: its sink check was dead code after a return; the text's end was found after the model loaded
+    ("lm-eval --sink -1", "--sink must be >= 0, got -1"),
+    ("lm-eval --error-stride 0", "--error-stride must be >= 1, got 0"),
+    ("lm-eval --offset 300000", "--offset 300000 + --tokens 16384 pass the end of the text (288962 tokens)"),
+    ("lm-eval --kinds ring --taus 0.1", "--taus are the mass cache's: they need 'mass' in --kinds"),
+    ("lm-eval --kinds ring,ring", "--kinds must name each kind once"),
+    # video-eval: found after the model loaded and the full-history stream ran
+    ("video-eval --tau 2", "--tau must be in the open interval (0, 1), got 2.0"),
+    ("video-eval --frames 1000", "--frames must be <= 256 (the toy model's RoPE horizon), got 1000"),
+    ("video-eval --weights /nonexistent.safetensors", "--weights /nonexistent.safetensors: no such file"),
+    # train-toy: an odd window failed inside train(); a huge one would allocate its mask
+    ("train-toy --frames 1", "--frames must be a multiple of the toy model's 2-frame chunk, at most its 256"),
+    ("train-toy --frames 100000", "at most its 256-frame horizon, got 100000"),
+    # rollout: found after the model was built, or after the stream ran to the horizon
+    ("rollout --cache ring --compare", "--cache names the one cache run without --compare"),
+    ("rollout --tau 0.2", "--tau is the mass cache's budget: it needs --cache mass or --compare"),
+    ("rollout --cache mass --tau 2", "--tau must be in the open interval (0, 1), got 2.0"),
+    ("rollout --cache lru", "--cache must be one of"),
+    ("rollout --guidance nan", "--guidance must be a finite number >= 1"),
+    ("rollout --config wan2.1-1.3b --cache lru", "--cache must be one of"),
+    ("rollout --chunks 33", "--chunks must be <= 32 (the tiny model's RoPE horizon in chunks), got 33"),
+    ("rollout --model diffusers-wan --chunks 200", "--chunks must be <= 128"),
+    ("rollout --mode graph", "--mode graph captures CUDA graphs: it needs --device cuda"),
+    ("rollout --nproc 3", "heads (4) must be divisible by the world size (3)"),
+    ("budget --query-scale inf", "--query-scale must be a finite number >= 0"),
+    ("rollout --device tpu", "--device must be cpu or cuda (cuda:N), got 'tpu'"),
+    ("bench --device meta", "--device must be cpu or cuda (cuda:N), got 'meta'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", REFUSED, ids=[a for a, _ in REFUSED])
+def test_bad_options_are_refused_before_any_work(no_work, capsys, argv, message):
+    assert main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_weights_file_that_is_not_safetensors_is_one_line_not_a_traceback(no_work, tmp_path, capsys):
+    """video-eval --weights of another format ended in safetensors' SafetensorError traceback."""
+    bad = tmp_path / "toy.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    assert main(["video-eval", "--weights", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--weights {bad}: not a readable safetensors file" in err and err.count("\n") == 1, err
+
+
+VALID = [  # each reaches its work: the checks refuse nothing the commands can run
+    "fuzz --calls 1 --layouts 1", "verify", "pareto", "budget", "certify", "certify --pool-events 0",
+    "certify --cache mass --budget-tau 0.2", "certify --recall --recall-slots 5", "certify --sketch-bits 8",
+    "certify --real", "certify --real --datasets video --video-frames 8 --seed 1",
+    "lm-eval --quick --kinds ring,mass --taus 0.1", "video-eval", "train-toy --frames 16",
+    "rollout", "rollout --compare --tau 0.1", "rollout --cache mass --tau 0.1", "rollout --model diffusers-wan",
+]
+
+
+@pytest.mark.parametrize("argv", VALID)
+def test_valid_options_reach_the_work(reach, argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the commands' default output paths
+    with pytest.raises(Reached):
+        main(argv.split())
+
+
+def test_the_options_given_are_told_apart_from_defaults():
+    """``args._given`` (what a command may refuse when it does not apply) for plain, boolean,
+    appended and default-valued options."""
+    from streamkv.lab.cli import build_parser, given_options
+
+    parser = build_parser()
+    argv = ["bench", "--preset", "krea-realtime-14b", "--preset", "self-forcing", "--no-scaling", "--device", "cpu"]
+    assert given_options(parser, argv) == {"preset", "no_scaling", "device"}
+    assert given_options(parser, ["certify", "--tau", "0.1"]) == {"tau"}  # the default value, given
+    assert given_options(parser, ["certify"]) == set()
+
+
+@pytest.mark.parametrize("tau, expected", [(None, 0.05), ("0.2", 0.2)])
+def test_certify_real_uses_tau(reach, tau, expected):
+    """certify --real ran its committed configurations at tau 0.05 whatever --tau said."""
+    argv = ["certify", "--real", "--datasets", "video"] + ([] if tau is None else ["--tau", tau])
+    with pytest.raises(Reached) as info:
+        main(argv)
+    _, kwargs = info.value.args
+    configs = kwargs["configs"]["video"]
+    assert configs and all(c.tau == expected for c in configs)
