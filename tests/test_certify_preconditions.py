@@ -219,3 +219,25 @@ def test_any_layout_is_certified_and_equals_the_token_major_certificate(layout):
         assert torch.equal(a.mass, b.mass) and torch.equal(a.error, b.error)
     r = check.result()
     assert r["violations"] == 0 and r["nontrivial"] > 0
+
+
+def test_a_release_is_certified_over_what_the_cache_then_holds():
+    """Found by ``streamkv fuzz --seed 3``: when the evicted block a query needs could not fit,
+    recall released the blocks recalled for an earlier span, recalled nothing in their place
+    and returned the certificate computed before the release (it undercounted). Now a release
+    happens only where it lets a block in, and any change of the kept set is certified anew."""
+    S_, W_, C_, R, D_ = 2, 4, 4, 3, 4
+    cache = KVCache((1, S_ + W_, 1, D_), (1, S_ + W_, 1, D_), policy="ring", seq_dim=1, sink=S_, window=W_,
+                    chunk=C_, dtype=torch.float64, recall_slots=R)
+    cert = Certifier(cache, recall_tau=0.3)
+    check = HistoryCheck(cert)
+    gen = torch.Generator().manual_seed(0)
+    for c in range(6):
+        cache.begin_chunk(c)
+        k, v, q = (torch.randn(1, C_, 1, D_, generator=gen, dtype=torch.float64) for _ in range(3))
+        attend(q, cache.update(k, v, q))
+        assert torch.equal(cert.last[0].mass, cert.certificate(0, q).mass)  # the cache as it now is
+        if c == 2:  # a 4-token block does not fit in 3 recall slots: the earlier recall stays
+            assert cache.slot_positions[0, 0, S_ + W_:].tolist() == [2, 3, -1] and cert.stats["shortfalls"] >= 1
+        cache.commit_chunk(c)
+    assert check.result()["violations"] == 0

@@ -59,7 +59,7 @@ def test_sketch_boxes_hold_every_key(bits):
 def test_sketch_rejects_bad_sizes():
     with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
         KeySketch(batch=1, heads=1, head_dim=4, value_dim=4, device="cpu", bits=3)
-    with pytest.raises(ValueError, match="block_tokens must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="block_tokens must be >= 1, got 0"):
         KeySketch(batch=1, heads=1, head_dim=4, value_dim=4, device="cpu", block_tokens=0)
     with pytest.raises(ValueError, match="head_dim must be even, got 5"):
         KeySketch(batch=1, heads=1, head_dim=5, value_dim=4, device="cpu", bits=4)

@@ -373,16 +373,20 @@ class Certifier(CacheObserver):
             k_needed = torch.where(ok, torch.arange(NB + 1, device=ok.device), NB + 1).amin(-1)  # [H]
             plan_k, order_h, over_h = k_needed.tolist(), order.tolist(), over.tolist()
             counts, active = s.count.tolist(), s.active.tolist()
-            progress = False
+            progress = released = False
             for h in range(H):
                 if not over_h[h]:
                     continue
                 todo = [b for b in order_h[h][: max(1, min(plan_k[h], NB))] if active[h][b] and counts[h][b] > 0]
                 need = sum(counts[h][b] for b in todo)
                 free = self._free[layer][h]
-                if need > len(free):  # make room: release blocks recalled for earlier spans
-                    for key in [k for k, (_, e) in self._recalled[layer][h].items() if e < epoch]:
-                        self._release(layer, h, key)
+                if todo and need > len(free):  # make room: release blocks recalled for earlier spans,
+                    old = [k for k, (_, e) in self._recalled[layer][h].items() if e < epoch]
+                    room = len(free) + sum(len(self._recalled[layer][h][k][0]) for k in old)
+                    if old and min(counts[h][b] for b in todo) <= room:  # where that lets a block in
+                        for key in old:
+                            self._release(layer, h, key)
+                        released = True
                 taken, room = [], len(free)
                 for b in todo:
                     if counts[h][b] <= room:
@@ -393,10 +397,11 @@ class Certifier(CacheObserver):
                 if taken:
                     self._recall_blocks(layer, h, taken, [counts[h][b] for b in taken], epoch)
                     progress = True
+            if released or progress:  # the kept set changed: the certificate is of the cache as it now is
+                cert = self.certificate(layer, q, keep_contrib=True)
             if not progress:
                 break
             recalled_any = True
-            cert = self.certificate(layer, q, keep_contrib=True)
         if recalled_any:
             self.stats["recall_events"] += 1
         return cert
