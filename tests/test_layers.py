@@ -131,3 +131,14 @@ def test_the_library_needs_torch_only(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\nimport numpy as np\nfrom rich.console import Console\n")
     assert _top_level_lab_imports(bad) == ["numpy", "rich.console"]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_module_docstrings_are_short_or_say_why(path):
+    """The prose is told once (the chunk loop in ARCHITECTURE) and module docstrings stay near
+    30 lines; a longer one says why (a proof, a worked example, the list of a client's refusals)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    if doc.count("\n") + 1 <= 32:
+        return
+    assert "Why this long" in doc or "Why one module" in doc, (
+        f"{path.relative_to(SRC)}: a {doc.count(chr(10)) + 1}-line module docstring with no 'Why this long' note")

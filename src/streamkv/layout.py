@@ -42,6 +42,8 @@ Example (``sink=2, window=4, chunk=3``; slot contents are positions)::
 
 (chunk 1 = positions 3, 4, 5 straddles nothing here; chunk 0 = 0, 1, 2 straddles the
 sink boundary; chunk 3 = 9, 10, 11 wraps across the end of the ring.)
+
+Why this long: the worked example is the layout's check a reader can do by hand.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ and the offending value; wrong types raise ``TypeError``. With rows that sum to
 
 Every function is plain torch, works in any floating dtype and is exact to that
 dtype's rounding (use float64 for tests); none mutates its inputs.
+
+Why this long: the identity and its bounds are the proof the mass budget and the certificate rest on.
 """
 
 from __future__ import annotations

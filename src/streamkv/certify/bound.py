@@ -82,6 +82,8 @@ makes the certificate a non-bound. The reference it is checked against is float6
 (see :mod:`streamkv.certify.shadow`); checks compare the computed numbers exactly, with no
 tolerance. NaN or infinite keys make the bound meaningless; then ``m_hat = 1`` (the trivial
 bound, still valid) and ``gap`` is infinite.
+
+Why this long: it holds the proof of the certificate and its floating-point allowance.
 """
 
 from __future__ import annotations

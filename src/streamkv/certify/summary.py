@@ -41,6 +41,8 @@ blocks' keys and the merged count is the sum, so every inequality of the certifi
 holds (``n1 e^U1 + n2 e^U2 <= (n1 + n2) e^max(U1, U2)`` and the united box's ``U`` is at
 least ``max(U1, U2)``): the bound loosens, stays valid, and summary memory stays bounded
 on an unbounded stream. Older history ends up in coarser blocks (log-structured).
+
+Why this long: what a block bounds, and when it regroups or merges, is what the certificate relies on.
 """
 
 from __future__ import annotations

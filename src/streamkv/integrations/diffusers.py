@@ -34,6 +34,8 @@ Refused (with the reason): image-conditioned Wan (``added_kv_proj_dim`` / ``imag
 a model with diffusers' own caching enabled, attention masks, a second attachment, chunks
 past the RoPE horizon (``rope_max_seq_len`` frames), ``torch.compile`` / CUDA graphs (not
 offered: eager only).
+
+Why this long: every difference from diffusers' own model and every refusal is listed here.
 """
 
 from __future__ import annotations

@@ -97,6 +97,8 @@ that stops inside the model (an exception in a later layer, a layer index past t
 leaves its span incomplete: the cache then refuses every forward until ``cache.reset()``. Not
 checked before the write (the attention function sees them first): a non-causal attention
 module, attention dropout in training, a certifier at another softmax scale than the model's.
+
+Why this long: every refusal and the scope of each parity claim are listed here, where a user looks.
 """
 
 from __future__ import annotations

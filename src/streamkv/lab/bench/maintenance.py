@@ -41,6 +41,8 @@ Write metadata (the ring's ``C`` slot indices and positions, the current path's
 rolled position table) is not in the analytic count (it is 8 B per token against
 ``row`` = 3,072 B at ``self-forcing``); the dispatch counter
 (:func:`~streamkv.lab.measure.count_written_bytes`) reports it as ``metadata``.
+
+Why this long: the table of subjects and the byte formulas are the benchmark's definition.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ frame ``f >= 1`` it applies a policy to the cached past and records, per query:
   ``dropped_mass * vrange`` and ``dropped_mass * diam``;
 - for a :class:`~streamkv.budget.oracles.PerQueryMass`, the tau bounds
   ``tau * vrange`` and ``tau * diam``.
+
+Why this long: the generator's parameters are the experiment's definition.
 """
 
 from __future__ import annotations
