@@ -95,6 +95,11 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         dtype, device: of the K/V buffers.
         buffers: optional preallocated ``(K, V)`` of shapes ``[num_layers, *k_shape]`` (seq
             extent ``sink + window + recall_slots``) to use instead of allocating.
+        quant: quantised storage (:class:`~streamkv.quant.KVQuant`, or a format name of
+            :data:`~streamkv.quant.KV_FORMATS` such as ``"int4"``): codes and scales instead of
+            dense K/V, the sinks, the open span and a residual in full precision, every token
+            quantised once at its commit (:mod:`streamkv.quant_store`). Reads go block by block
+            (``KVRead.load``); ``keys()``/``values()`` return dequantised copies.
 
     Buffers are allocated once; their ``data_ptr()`` never changes.
     """
@@ -118,6 +123,7 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         buffers: tuple[Tensor, Tensor] | None = None,
+        quant: Any = None,
         **policy_params: Any,
     ) -> None:
         if policy is None:
@@ -135,7 +141,7 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         self.storage = KVStorage(
             k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
-            buffers=buffers,
+            buffers=buffers, quant=quant, sink=layout.sink,
         )
         pol.bind(self.storage, layout)
         st = self.storage
@@ -229,6 +235,8 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
 
         def apply() -> None:
             step.apply()
+            if self.storage.codes is not None:  # the open span's full-precision rows
+                self.storage.codes.begin(start, n)
             self._chunk_positions.fill_(start).add_(self._arange_c)
             self._end, self._span, self._open = start + n, n, True
             self._reads.clear()
@@ -349,6 +357,8 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
             obs.on_commit(self, chunk_idx)
 
         def apply() -> None:
+            if self.storage.codes is not None:  # quantised once, from the span's last write
+                self.storage.codes.commit(start, n)
             if step is not None:
                 step.apply()
             self._open = False

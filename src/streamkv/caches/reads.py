@@ -58,11 +58,18 @@ class ReadPaths:
         return self.storage.layer_positions(self._check_layer(layer))
 
     def keys(self, layer: int | None = None) -> Tensor:
-        """The physical key buffer of ``layer`` (a view of the storage)."""
+        """The physical key buffer of ``layer`` (a view of the storage); for quantised storage
+        a dequantised copy of every slot (float32 for 16/32-bit caches: the values attention
+        uses), physical order."""
+        if self.storage.codes is not None:
+            return self.storage.codes.dense(self._check_layer(layer), "k")
         return self.storage.keys[self._check_layer(layer)]
 
     def values(self, layer: int | None = None) -> Tensor:
-        """The physical value buffer of ``layer`` (a view of the storage)."""
+        """The physical value buffer of ``layer`` (a view of the storage; a dequantised copy
+        for quantised storage)."""
+        if self.storage.codes is not None:
+            return self.storage.codes.dense(self._check_layer(layer), "v")
         return self.storage.values[self._check_layer(layer)]
 
     def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
@@ -111,14 +118,14 @@ class ReadPaths:
             chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
             bias_fn=st.bias, name=f"{self.name} cache layer {layer}",
+            load=None if st.codes is None else partial(st.codes.load, layer),
         )
 
     def _chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:
         slots = self.policy.chronological_slots(self.end)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         st = self.storage
-        return (st.keys[layer].index_select(st.seq_dim, idx), st.values[layer].index_select(st.seq_dim, idx),
-                self.layout.retained_positions(self.end))
+        return (st.gather(layer, "k", idx), st.gather(layer, "v", idx), self.layout.retained_positions(self.end))
 
     def chronological_keys(self, layer: int | None = None) -> Tensor:
         """Retained keys in position order, ``[sinks | window]`` (a gathered copy). Refused
