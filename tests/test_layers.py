@@ -10,8 +10,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 
 #: the library's layers, bottom first: a module may import its own layer and the ones below
 LAYERS = [
-    {"layout", "budget", "reference"},
-    {"storage"},
+    {"layout", "budget", "reference", "quant"},
+    {"storage", "quant_store"},
     {"scoring"},
     {"policies"},
     {"caches"},
