@@ -317,6 +317,30 @@ class QuantStore:
             inv[p] = i
         return torch.where(m, zero, ep).permute(inv)
 
+    def error_bounds_at(self, layer: int, which: str, slots: Tensor) -> Tensor:
+        """:meth:`error_bounds` of arbitrary ``slots`` (token dim at ``seq_dim``)."""
+        st, seq = self.st, self.st.seq_dim
+        fmt, g, d = (self.kf, self.gk, self.D) if which == "k" else (self.vf, self.gv, self.Dv)
+        codes = (self.k_codes if which == "k" else self.v_codes)[layer]
+        scale = self.k_scale if which == "k" else self.v_scale
+        ci = (slots - self.c0).clamp(min=0)
+        e = fmt.error_bound(codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci),
+                            d, g)
+        idx = self.hot_row_of(layer).index_select(-1, slots)
+        hot = (idx >= 0) | (slots.view(1, -1) < self.c0)  # [H|1, n]
+        zero = torch.zeros((), dtype=e.dtype, device=e.device)
+        if hot.shape[0] == 1 or st.head_dim is None:
+            view = [1] * e.dim()
+            view[seq] = hot.shape[-1]
+            return torch.where(hot[0].view(view), zero, e)
+        ep = e.permute(st._perm)
+        n = hot.shape[-1]
+        m = hot.transpose(0, 1).view(n, hot.shape[0], *([1] * (ep.dim() - 2)))
+        inv = [0] * len(st._perm)
+        for i, p in enumerate(st._perm):
+            inv[p] = i
+        return torch.where(m, zero, ep).permute(inv)
+
     def basis(self, which: str) -> Tensor | None:
         """The rotation ``R`` of ``which``'s storage basis (``x_stored = x @ R.T``), or None."""
         return self.rk if which == "k" else self.rv

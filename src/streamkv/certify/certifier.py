@@ -44,6 +44,7 @@ from ..caches import CacheObserver, CacheSet, EvictionEvent, KVCache
 from ..budget.mass import check_tau
 from ..storage import check_int
 from .bound import Certificate, certify
+from .quant_bound import QuantErrors
 from .sketch import KeySketch
 from .store import OffloadStore
 from .summary import BlockSummaries
@@ -123,6 +124,7 @@ class Certifier(CacheObserver):
         self.sketch_bits = sketch_bits
         self.causal = bool(causal)
         self.store = OffloadStore(cache.device)
+        self.quant = None if st.codes is None else QuantErrors(st, cache.num_layers)  # quant_bound
         self.monitors: list[CertificateMonitor] = []
         self.last: list[Certificate | None] = [None] * cache.num_layers
         self._recalled: list[list[dict[tuple[int, int], tuple[list[int], int]]]] = []
@@ -149,6 +151,8 @@ class Certifier(CacheObserver):
     def on_reset(self, cache: KVCache) -> None:
         for s in self.summaries:
             s.reset()
+        if self.quant is not None:
+            self.quant.reset()
         self.store.reset()
         self._clear()
 
@@ -167,8 +171,9 @@ class Certifier(CacheObserver):
             if rows.numel() == 0:
                 continue
             positions = st.layer_positions(layer).index_select(1, rows)  # [H, n]
-            k = st.keys[layer].index_select(1, rows)  # [B, n, H, D]
-            v = st.values[layer].index_select(1, rows)
+            k, v = st.gather(layer, "k", rows), st.gather(layer, "v", rows)  # [B, n, H, D], as stored
+            if self.quant is not None:
+                self.quant.on_evict(layer, rows, mask)
             eid = self.store.next_id(layer)
             # the store keeps exactly the evicted (token, head) pairs, head-major
             if event.shared_slots is not None:  # every head evicts every row: a reshape, no device read
@@ -217,9 +222,13 @@ class Certifier(CacheObserver):
             hidden = hidden.unsqueeze(1)
         bias = torch.zeros(hidden.shape, dtype=torch.float64, device=pos.device).masked_fill_(hidden, -math.inf)
         lo, hi = s.boxes()
-        return certify(qh, st.keys[layer].transpose(1, 2), st.values[layer].transpose(1, 2),
-                       bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
+        k, v = self.cache.keys(layer).transpose(1, 2), self.cache.values(layer).transpose(1, 2)  # as stored
+        cert = certify(qh, k, v, bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
                        n_tokens=self.cache.end, keep_contrib=keep_contrib)
+        if self.quant is not None:  # quantised storage: the bound against the original K/V
+            cert = self.quant.widen(cert, layer, qh, k, v, bias, scale=self.scale, n_tokens=self.cache.end,
+                                    vlo=s.vlo, vhi=s.vhi, log_count=s.log_count())
+        return cert
 
     # -------------------------------------------------------------------- recall
     def recall_slots_in_use(self) -> int:
