@@ -10,8 +10,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 
 #: the library's layers, bottom first: a module may import its own layer and the ones below
 LAYERS = [
-    {"validate", "layout", "budget", "reference"},
-    {"storage"},
+    {"validate", "layout", "budget", "reference", "quant"},
+    {"storage", "quant_store"},
     {"scoring"},
     {"policies"},
     {"caches"},

@@ -24,6 +24,9 @@ on replay. The chronological path instead writes a contiguous slice at a host-in
 
 Nothing here decides which slots a chunk gets: that is a policy's job
 (:mod:`streamkv.policies`). Nothing here is allocated after construction.
+
+Why one module: every tensor a cache writes, and every way it is written or read per head,
+has one owner here, so that the overlap checks (``owns``) and the fixed addresses hold for all.
 """
 
 from __future__ import annotations
@@ -117,6 +120,11 @@ class KVStorage:
         dtype, device: of the K/V buffers.
         buffers: optional preallocated ``(K, V)`` of the full shapes to use instead of
             allocating (``CacheSet`` passes views of one allocation).
+        quant: quantised storage (:class:`~streamkv.quant.KVQuant`, a format name or None):
+            then ``codes`` (:class:`~streamkv.quant_store.QuantStore`) holds the K/V and
+            ``keys``/``values`` are zero-stride placeholders of the full shapes (no memory:
+            they carry shape, dtype and device; every read goes through ``codes``).
+        sink: the layout's sinks (where ``quant`` keeps full-precision rows).
     """
 
     def __init__(
@@ -134,7 +142,14 @@ class KVStorage:
         dtype: torch.dtype,
         device: torch.device | str,
         buffers: tuple[Tensor, Tensor] | None = None,
+        quant: object = None,
+        sink: int = 0,
     ) -> None:
+        from .quant import as_quant
+
+        quant = as_quant(quant)
+        if quant is not None and buffers is not None:
+            raise ValueError("quantised storage allocates its own codes: buffers= cannot be given with quant=")
         k_shape, v_shape = _shape("k_shape", k_shape), _shape("v_shape", v_shape)
         if len(k_shape) != len(v_shape) or k_shape[:-1] != v_shape[:-1]:
             raise ValueError(f"k_shape and v_shape must agree except in the last dim, got {k_shape} and {v_shape}")
@@ -162,7 +177,10 @@ class KVStorage:
         self.per_head = bool(per_head)
         full_k = (num_layers, *k_shape[:seq], self.slots, *k_shape[seq + 1 :])
         full_v = (num_layers, *v_shape[:seq], self.slots, *v_shape[seq + 1 :])
-        if buffers is None:
+        if quant is not None:  # zero-stride placeholders: shape, dtype and device, no memory
+            self.keys = torch.zeros((), dtype=dtype, device=device).expand(full_k)
+            self.values = torch.zeros((), dtype=dtype, device=device).expand(full_v)
+        elif buffers is None:
             self.keys = torch.zeros(full_k, dtype=dtype, device=device)
             self.values = torch.zeros(full_v, dtype=dtype, device=device)
         else:
@@ -187,8 +205,15 @@ class KVStorage:
         self._k_wide, self._v_wide = _int64_view(self.keys), _int64_view(self.values)
         # who fills the recall slots (one certifier at most; it claims them when attached)
         self.recall_owner: object | None = None
+        self.codes = None
+        dense = (self.keys, self.values)
+        if quant is not None:
+            from .quant_store import QuantStore
+
+            self.codes = QuantStore(self, quant, check_int("sink", sink, 0))
+            dense = tuple(self.codes.tensors().values())
         # the storages behind every tensor the cache writes: what ``owns`` compares against
-        self._own = [t for t in (self.keys, self.values, self.positions, self.plan) if t.device.type != "meta"]
+        self._own = [t for t in (*dense, self.positions, self.plan) if t.device.type != "meta"]
         self._own_ptrs = {t.untyped_storage().data_ptr() for t in self._own}
 
     def _check_buffers(self, buffers: object, full_k: tuple[int, ...], full_v: tuple[int, ...]) -> tuple[Tensor, Tensor]:
@@ -268,6 +293,10 @@ class KVStorage:
         without a head dim. A view where the layout allows (a copy otherwise): read it, never
         write through it. Every per-head consumer (key-scored policies, the certifier) goes
         through here, so none of them knows the layout."""
+        if self.codes is not None:  # quantised storage: the stored values, dequantised (a copy)
+            layers = range(self.num_layers) if layer is None else [layer]
+            x = torch.stack([self.to_heads(self.codes.dense(i, which)) for i in layers])
+            return x if layer is None else x[0]
         buf = self.keys if which == "k" else self.values
         rank = len(self.k_shape)
         rest = [1 + d for d in range(rank - 1) if d not in (self.seq_dim, self.head_dim)]
@@ -292,7 +321,10 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the K/V buffers (every layer, recall slots included)."""
+        """Bytes of the K/V buffers (every layer, recall slots included); quantised storage:
+        its codes, scales and full-precision rows."""
+        if self.codes is not None:
+            return self.codes.nbytes
         return self.keys.nbytes + self.values.nbytes
 
     def owns(self, t: Tensor) -> bool:
@@ -306,7 +338,9 @@ class KVStorage:
         """Copy one layer's rows of the open span (``n <= chunk`` rows at ``seq_dim``) into the
         first ``n`` planned slots (inputs already checked)."""
         n = k.shape[self.seq_dim]
-        if self.write_start is not None:
+        if self.codes is not None:
+            self.codes.write(layer, k, v)
+        elif self.write_start is not None:
             start = self.write_start
             self.keys[layer].narrow(self.seq_dim, start, n).copy_(k)
             self.values[layer].narrow(self.seq_dim, start, n).copy_(v)
@@ -335,10 +369,20 @@ class KVStorage:
         seq = self.seq_dim + 1  # buffers carry the layer dim first
         bufs = (self.keys, self.values, self.positions)
         dims = (seq, seq, self.positions.dim() - 1)
+        if self.codes is not None:
+            self.codes.shift(dst, src, n)
+            bufs, dims = bufs[2:], dims[2:]
         # every temporary first: an allocation failure (out of memory) leaves everything as it was
         moved = [buf.narrow(d, src, n).clone() for buf, d in zip(bufs, dims)]
         for buf, d, m in zip(bufs, dims, moved):
             buf.narrow(d, dst, n).copy_(m)
+
+    def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
+        """``layer``'s ``"k"`` / ``"v"`` rows at ``slots`` (a copy, token dim at ``seq_dim``)."""
+        if self.codes is not None:
+            return self.codes.gather(layer, which, slots)
+        buf = self.keys[layer] if which == "k" else self.values[layer]
+        return buf.index_select(self.seq_dim, slots)
 
     # ----------------------------------------------------------- recall slots
     def write_recall(self, layer: int, head: int, slots: list[int], k: Tensor, v: Tensor, positions: Tensor) -> None:
@@ -349,29 +393,39 @@ class KVStorage:
                 not 0 <= s < self.recall_slots for s in slots):
             raise ValueError(f"recall slots {slots} outside [0, {self.recall_slots}), or no head dim")
         idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
-        kd, vd = self.keys[layer].permute(self._perm), self.values[layer].permute(self._perm)
-        kd[idx, head] = k.reshape(len(slots), *kd.shape[2:])
-        vd[idx, head] = v.reshape(len(slots), *vd.shape[2:])
+        if self.codes is not None:
+            self.codes.write_recall(layer, head, idx, k, v)
+        else:
+            kd, vd = self.keys[layer].permute(self._perm), self.values[layer].permute(self._perm)
+            kd[idx, head] = k.reshape(len(slots), *kd.shape[2:])
+            vd[idx, head] = v.reshape(len(slots), *vd.shape[2:])
         self.positions[layer, head, idx] = positions
 
     def clear_recall(self, layer: int, head: int, slots: list[int]) -> None:
         """Empty recall ``slots`` of one head (positions -1, K/V zeroed)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
-        self.keys[layer].permute(self._perm)[idx, head] = 0
-        self.values[layer].permute(self._perm)[idx, head] = 0
+        if self.codes is not None:
+            self.codes.clear_recall(layer, head, idx)
+        else:
+            self.keys[layer].permute(self._perm)[idx, head] = 0
+            self.values[layer].permute(self._perm)[idx, head] = 0
         self.positions[layer, head, idx] = -1
 
     def zero_(self) -> None:
         """Forget everything: K/V zeroed (no stale value can reach an output), slots empty."""
-        self.keys.zero_()
-        self.values.zero_()
+        if self.codes is not None:
+            self.codes.zero_()
+        else:
+            self.keys.zero_()
+            self.values.zero_()
         self.positions.fill_(-1)
 
     def __repr__(self) -> str:
         return (
             f"KVStorage(k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, "
             f"head_dim={self.head_dim}, capacity={self.capacity}, recall_slots={self.recall_slots}, "
-            f"num_layers={self.num_layers}, per_head={self.per_head}, dtype={self.dtype}, device={self.device})"
+            f"num_layers={self.num_layers}, per_head={self.per_head}, dtype={self.dtype}, device={self.device}"
+            + (f", codes={self.codes!r})" if self.codes is not None else ")")
         )
 
 

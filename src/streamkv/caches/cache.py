@@ -60,6 +60,11 @@ class KVCache:
         dtype, device: of the K/V buffers.
         buffers: optional preallocated ``(K, V)`` of shapes ``[num_layers, *k_shape]`` (seq
             extent ``sink + window + recall_slots``) to use instead of allocating.
+        quant: quantised storage (:class:`~streamkv.quant.KVQuant`, or a format name of
+            :data:`~streamkv.quant.KV_FORMATS` such as ``"int4"``): codes and scales instead of
+            dense K/V, the sinks, the open span and a residual in full precision, every token
+            quantised once at its commit (:mod:`streamkv.quant_store`). Reads go block by block
+            (``KVRead.load``); ``keys()``/``values()`` return dequantised copies.
 
     Buffers are allocated once; their ``data_ptr()`` never changes. The policy's
     ``cache_properties`` (``budget``, ``tau``, ``wraps``, ...) read through the cache.
@@ -84,6 +89,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         buffers: tuple[Tensor, Tensor] | None = None,
+        quant: Any = None,
         **policy_params: Any,
     ) -> None:
         if policy is None:
@@ -100,7 +106,7 @@ class KVCache:
         self.storage = st = KVStorage(
             k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
-            buffers=buffers,
+            buffers=buffers, quant=quant, sink=layout.sink,
         )
         self.lifecycle = Lifecycle(layout, st.device)
         pol.bind(st, layout, self.lifecycle)
@@ -197,6 +203,8 @@ class KVCache:
 
         def apply() -> None:
             plan.apply()
+            if self.storage.codes is not None:  # the open span's full-precision rows
+                self.storage.codes.begin(start, n)
             self.lifecycle.begin(start, n)
 
         return Step(apply, then=(lambda: self._observers.tell(change, actions),))
@@ -301,6 +309,8 @@ class KVCache:
         actions = self._observers.prepare(change)
 
         def apply() -> None:
+            if self.storage.codes is not None:  # quantised once, from the span's last write
+                self.storage.codes.commit(start, n)
             plan.apply()
             self.lifecycle.close()
 
@@ -405,12 +415,20 @@ class KVCache:
         return self.storage.layer_positions(self.checks.layer(layer))
 
     def keys(self, layer: int | None = None) -> Tensor:
-        """The physical key buffer of ``layer`` (a view of the storage)."""
-        return self.storage.keys[self.checks.layer(layer)]
+        """The physical key buffer of ``layer`` (a view of the storage); for quantised storage a
+        dequantised copy of every slot (the values attention uses), physical order."""
+        layer = self.checks.layer(layer)
+        if self.storage.codes is not None:
+            return self.storage.codes.dense(layer, "k")
+        return self.storage.keys[layer]
 
     def values(self, layer: int | None = None) -> Tensor:
-        """The physical value buffer of ``layer`` (a view of the storage)."""
-        return self.storage.values[self.checks.layer(layer)]
+        """The physical value buffer of ``layer`` (a view of the storage; a dequantised copy for
+        quantised storage)."""
+        layer = self.checks.layer(layer)
+        if self.storage.codes is not None:
+            return self.storage.codes.dense(layer, "v")
+        return self.storage.values[layer]
 
     def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
         """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).

@@ -69,14 +69,18 @@ class CacheSet:
         probe = spec.replace(device="meta").build(kind, **kwargs)
         device = spec.device
         nb = len(branches)
-        self._k = torch.zeros((nb, *probe.storage.keys.shape), dtype=spec.dtype, device=device)
-        self._v = torch.zeros((nb, *probe.storage.values.shape), dtype=spec.dtype, device=device)
         self.spec = spec
         self.branches = branches
         self.num_layers = probe.num_layers
-        self._caches: dict[str, KVCache] = {
-            name: spec.build(kind, buffers=(self._k[i], self._v[i]), **kwargs) for i, name in enumerate(branches)
-        }
+        if probe.storage.codes is not None:  # quantised storage: each branch allocates its own codes
+            self._k = self._v = None
+            self._caches: dict[str, KVCache] = {name: spec.build(kind, **kwargs) for name in branches}
+        else:
+            self._k = torch.zeros((nb, *probe.storage.keys.shape), dtype=spec.dtype, device=device)
+            self._v = torch.zeros((nb, *probe.storage.values.shape), dtype=spec.dtype, device=device)
+            self._caches = {
+                name: spec.build(kind, buffers=(self._k[i], self._v[i]), **kwargs) for i, name in enumerate(branches)
+            }
         self.kind = self._caches[branches[0]].name
 
     # --------------------------------------------------------------- access
@@ -97,7 +101,10 @@ class CacheSet:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all K/V buffers (every branch and layer)."""
+        """Bytes of all K/V buffers (every branch and layer; quantised storage: codes, scales and
+        full-precision rows)."""
+        if self._k is None:
+            return sum(c.nbytes for c in self._caches.values())
         return self._k.nbytes + self._v.nbytes
 
     # ------------------------------------------------------------ lifecycle

@@ -83,6 +83,7 @@ class Reads:
             chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
             bias_fn=st.bias, name=f"{self.policy.name} cache layer {layer}",
+            load=None if st.codes is None else partial(st.codes.load, layer),
             generation=None if traced else lc.generation, lifecycle=None if traced else lc,
         )
 
@@ -91,8 +92,7 @@ class Reads:
         end = self.lifecycle.end
         idx = torch.tensor(self.policy.chronological_slots(end), dtype=torch.long, device=self.storage.device)
         st = self.storage
-        return (st.keys[layer].index_select(st.seq_dim, idx), st.values[layer].index_select(st.seq_dim, idx),
-                self.layout.retained_positions(end))
+        return st.gather(layer, "k", idx), st.gather(layer, "v", idx), self.layout.retained_positions(end)
 
     def chronological_view(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:
         refusal = self.chronological_refusal

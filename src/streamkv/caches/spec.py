@@ -39,6 +39,7 @@ class CacheSpec:
     recall_slots: int = 0
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    quant: Any = None  # quantised storage (streamkv.quant.KVQuant or a format name)
 
     def __post_init__(self) -> None:
         for name in ("k_shape", "v_shape"):

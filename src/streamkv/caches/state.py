@@ -42,12 +42,13 @@ class StateDicts:
             "num_layers": st.num_layers,
             "recall_slots": st.recall_slots,
             "dtype": str(st.dtype),
+            **({"quant": st.codes.quant.config()} if st.codes is not None else {}),
         }
 
     def _tensors(self) -> dict[str, Tensor]:
         st = self.storage
-        return {"keys": st.keys, "values": st.values, "slot_positions": st.positions, "write_slots": st.plan,
-                **self.policy.state()}
+        kv = st.codes.state() if st.codes is not None else {"keys": st.keys, "values": st.values}
+        return {**kv, "slot_positions": st.positions, "write_slots": st.plan, **self.policy.state()}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of the cache's whole state: host counters and *copies* of every tensor
@@ -124,5 +125,7 @@ class StateDicts:
                 f"once anything entered the stream)"
             )
         self.policy.check_state(state, end, span, is_open)
+        if self.storage.codes is not None:
+            self.storage.codes.check_state(state)
         return end, span, is_open
 

@@ -49,6 +49,8 @@ from ..scoring import fold_groups
 from ..storage import position_bias
 from ..validate import check_int, check_real
 from .bound import Certificate, certify
+from .quant_bound import QuantErrors
+from .quant_bound import QuantErrors
 from .sketch import KeySketch
 from .store import OffloadStore
 from .summary import BlockSummaries
@@ -100,6 +102,9 @@ class Certifier(CacheObserver):
         st = cache.storage
         if st.head_dim is None:
             raise ValueError(f"certified caches need a head dimension, got k_shape={cache.k_shape}")
+        if st.codes is not None and (len(cache.k_shape) != 4 or cache.seq_dim != 1 or cache.head_dim != 2):
+            raise ValueError(f"certified quantised storage needs the [B, T, H, D] layout (rank 4, seq_dim=1, "
+                             f"head_dim=2), got k_shape={cache.k_shape} seq_dim={cache.seq_dim} head_dim={cache.head_dim}")
         if recall_tau is not None:
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots == 0:
@@ -150,6 +155,7 @@ class Certifier(CacheObserver):
         self.sketch_bits = sketch_bits
         self.causal = causal
         self.store = OffloadStore(cache.device)
+        self.quant = None if st.codes is None else QuantErrors(st, cache.num_layers)  # quant_bound
         self.monitors: list[CertificateMonitor] = []
         self.last: list[Certificate | None] = [None] * cache.num_layers
         self._recalled: list[list[dict[tuple[int, int], tuple[list[int], int]]]] = []
@@ -215,6 +221,10 @@ class Certifier(CacheObserver):
     def _reset(self) -> None:
         for s in self.summaries:
             s.reset()
+        if self.quant is not None:
+            self.quant.reset()
+        if self.quant is not None:
+            self.quant.reset()
         self.store.reset()
         self._clear()
         if self.attached and self.storage.recall_owner is self:
@@ -238,8 +248,9 @@ class Certifier(CacheObserver):
             if rows.numel() == 0:
                 continue
             positions = event.positions[layer].index_select(1, rows)  # [H, n]
-            k = st.head_view("k", layer).index_select(2, rows).transpose(0, 1)  # [R, H, n, D]
-            v = st.head_view("v", layer).index_select(2, rows).transpose(0, 1)
+            # as stored (dequantised for quantised storage), per head: [R, H, n, D]
+            k = st.to_heads(st.gather(layer, "k", rows)).transpose(0, 1)
+            v = st.to_heads(st.gather(layer, "v", rows)).transpose(0, 1)
             # the store keeps exactly the evicted (token, head) pairs, head-major
             if event.shared_slots is not None:  # every head evicts every row: a reshape, no device read
                 R, H, n = k.shape[:3]
@@ -247,13 +258,16 @@ class Certifier(CacheObserver):
             else:
                 hh, rr = mask.nonzero(as_tuple=True)
                 pk, pv, pp = k[:, hh, rr], v[:, hh, rr], positions[hh, rr]
-            out.append((layer, k, v, mask, pk, pv, pp, counts))
+            qerr = self.quant.measure(layer, rows, mask) if self.quant is not None else None
+            out.append((layer, k, v, mask, pk, pv, pp, counts, qerr))
         return out
 
     def _record(self, captured: list[tuple]) -> None:
         """Summarise and offload an applied eviction (see :meth:`_capture`)."""
         try:
-            for layer, k, v, mask, pk, pv, pp, counts in captured:
+            for layer, k, v, mask, pk, pv, pp, counts, qerr in captured:
+                if qerr is not None:
+                    self.quant.absorb(layer, qerr)
                 eid = self.store.next_id(layer)
                 self.store.put(layer, eid, pk, pv, pp, _offsets(counts))
                 labels = self.summaries[layer].add(
@@ -295,9 +309,13 @@ class Certifier(CacheObserver):
             qpos = qpos.repeat(qh.shape[2] // qpos.numel())  # the rows are (group, query) pairs
         bias = position_bias(pos, qpos, torch.float64)  # [H, G*n or 1, S]
         lo, hi = s.boxes()
-        return certify(qh, st.head_view("k", layer).transpose(0, 1), st.head_view("v", layer).transpose(0, 1),
-                       bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
+        k, v = st.head_view("k", layer).transpose(0, 1), st.head_view("v", layer).transpose(0, 1)  # as stored
+        cert = certify(qh, k, v, bias, lo, hi, s.log_count(), s.vlo, s.vhi, scale=self.scale,
                        n_tokens=self.cache.end, keep_contrib=keep_contrib)
+        if self.quant is not None:  # quantised storage: the bound against the original K/V
+            cert = self.quant.widen(cert, layer, qh, k, v, bias, scale=self.scale, n_tokens=self.cache.end,
+                                    vlo=s.vlo, vhi=s.vhi, log_count=s.log_count())
+        return cert
 
     def query_rows(self, q: Tensor) -> Tensor:
         """``q`` in the cache's row layout -> ``[R, H, G * n, D]``: the query heads each key head

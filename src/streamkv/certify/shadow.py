@@ -190,6 +190,8 @@ class HistoryCheck(CacheObserver):
         o_k = torch.softmax(sk, -1) @ V
         o_d = torch.softmax(sd, -1).nan_to_num(0.0) @ V
         err = log_m.exp().unsqueeze(-1) * (o_d - o_k).abs()  # [B, H, Q, Dv]
+        if cache.storage.codes is not None:  # quantised storage: the truth is against what the cache attends to
+            err = (log_m.exp().unsqueeze(-1) * (o_d - o_k) + (o_k - self._stored(certifier, layer, qh, pos))).abs()
         n_d = N - kept.sum(-1)  # [H] evicted per head
         nontrivial = (n_d > 0).view(1, H, 1).expand(B, H, Q)
         # bookkeeping: the summaries must cover exactly D
@@ -230,6 +232,18 @@ class HistoryCheck(CacheObserver):
         self._acc("cert_err_max", cert.error.amax() if cert.error.numel() else zero, "max")
         self._acc("true_err_max", err.amax() if err.numel() else zero, "max")
         self._acc("cert_mass_max", cert.mass.amax(), "max")
+
+    def _stored(self, certifier, layer: int, qh: Tensor, pos: Tensor) -> Tensor:
+        """Float64 attention of ``qh`` over what the cache stores (its dequantised slots)."""
+        cache = certifier.cache
+        k = cache.keys(layer).transpose(1, 2).double()
+        v = cache.values(layer).transpose(1, 2).double()
+        s = (qh @ k.transpose(-1, -2)) * certifier.scale  # [B, H, Q, S]
+        hide = (pos < 0).unsqueeze(1)  # [H, 1, S]
+        if certifier.causal:
+            qpos = torch.arange(cache.open_span[0], cache.end, device=s.device).repeat(qh.shape[2] // cache.open_span[1])
+            hide = hide | (pos.unsqueeze(1) > qpos.view(1, -1, 1))
+        return torch.softmax(s.masked_fill(hide.unsqueeze(0), -math.inf), -1) @ v
 
     def _oracle(self, certifier, layer: int, s: Tensor, N: int) -> None:
         """Oracle recall need of this step (see the class docstring); one host read per step."""

@@ -297,6 +297,7 @@ def build_cache(
     on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None,
     recall_slots: int = 0,
     certify: Mapping[str, Any] | None = None,
+    quant: Any = None,
     **policy_params: Any,
 ) -> StreamKVCache:
     """A :class:`StreamKVCache` of ``kind`` for a model config.
@@ -316,6 +317,10 @@ def build_cache(
             ``sketch_bits``, ``block_tokens``, ...; ``scale`` defaults to the config's
             ``head_dim ** -0.5``; ``causal`` is always True): makes the two-tier cache (see
             the module docstring), ``cache.certifier``. None: a plain cache.
+        quant: quantised storage (:class:`~streamkv.quant.KVQuant` or a format name such as
+            ``"int4"``; None: the cache dtype): codes + scales, the sinks, the open span and a
+            residual in full precision, attended block by block (:mod:`streamkv.quant_store`);
+            ``cache.kv.nbytes`` counts what is allocated.
         policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
 
     Memory: the buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window,
@@ -360,7 +365,7 @@ def build_cache(
         k_shape, layout = (B, S, H, D), {"seq_dim": 1, "head_dim": 2, "recall_slots": recall_slots}
     kv = CACHE_KINDS[kind](
         k_shape, k_shape, sink=sink, window=window, chunk=chunk, num_layers=cfg.num_hidden_layers, dtype=dtype,
-        device=device, **layout, **policy_params,
+        device=device, **layout, **({"quant": quant} if quant is not None else {}), **policy_params,
     )
     certifier = None if certify is None else build_certifier(kv, cfg, certify)
     return StreamKVCache(kv, config=cfg, on_attention=on_attention, certifier=certifier)

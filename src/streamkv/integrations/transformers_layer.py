@@ -36,7 +36,8 @@ class StreamKVLayer(CacheLayerMixin):
         super().__init__()
         kv = owner.kv
         self.owner, self.index = owner, index
-        self.keys, self.values = kv.keys(index), kv.values(index)
+        # the storage's buffers (quantised storage: zero-stride placeholders; the read loads blocks)
+        self.keys, self.values = kv.storage.keys[index], kv.storage.values[index]
         if owner.token_major:  # [B, slots, H, D] -> transformers' [B, H, slots, D]
             self.keys, self.values = self.keys.transpose(1, 2), self.values.transpose(1, 2)
         self.device = kv.device

@@ -166,7 +166,8 @@ class ScoredPolicy(SlotPolicy):
         """Statistics of the stored queries against ``layer``'s slots now (a second pass)."""
         st = self.storage
         q = self._queries[layer].movedim(st.seq_dim, -2)
-        k = st.keys[layer].movedim(st.seq_dim, -2)
+        # quantised storage: its stored (dequantised) keys; this fallback pass is O(slots)
+        k = (st.keys[layer] if st.codes is None else st.codes.dense(layer, "k")).movedim(st.seq_dim, -2)
         res = blockwise_attention(
             fold_groups(q, st.heads, st.head_axis), k, None, st.bias(st.layer_positions(layer), q.dtype),
             scale=1.0 / math.sqrt(q.shape[-1]), block=self.score_block, statistics=True, head_axis=st.head_axis,

@@ -71,8 +71,11 @@ class AttentionErrors:
         slot_of = torch.empty(H, n, dtype=torch.long)
         slot_of[heads, pos[heads, slots] - start] = slots
         index = slot_of.unsqueeze(-1).expand(H, n, read.keys.shape[-1])
-        self.k[layer, :, start:end] = read.keys[0].gather(1, index).float()
-        self.v[layer, :, start:end] = read.values[0].gather(1, index).float()
+        keys, values = (read.keys, read.values) if read.load is None else read.load(0, S)  # quantised: as stored
+        if read.seq_dim != 2:  # token-major [B, S, H, D]
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        self.k[layer, :, start:end] = keys[0].gather(1, index).float()
+        self.v[layer, :, start:end] = values[0].gather(1, index).float()
         acc = self.resident.setdefault(self.tag, [0.0, 0.0])
         acc[0] += float((pos >= 0).sum())
         acc[1] += H
