@@ -12,7 +12,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 LAYERS = [
     {"layout", "budget", "reference"},
     {"storage"},
-    {"scoring"},
+    {"scoring", "rotary", "positions", "rope_at_read"},
     {"policies"},
     {"caches"},
     {"attention", "rope", "distributed"},

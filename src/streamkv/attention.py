@@ -32,6 +32,7 @@ has the same layout with the value feature size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ def attend(
     key_transform: Callable[[Tensor], Tensor] | None = None,
     attn_mask: Tensor | None = None,
     causal: bool = False,
+    window: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
     block: int = 256,
@@ -93,6 +95,14 @@ def attend(
             ``[..., Lq, L]`` (chronological path only).
         causal: hide from a query the keys at later positions; the queries are the open
             chunk's rows (their positions come from the read).
+        window: with ``causal``, a sliding window: a query at ``p`` sees only keys at
+            positions ``> p - window`` (its own included), each query its own window
+            (transformers' ``sliding_window``); None: no window.
+
+    A read whose cache stores raw keys (``read.rope_at_read``, a
+    :class:`~streamkv.rope_at_read.RopeAtRead`) is rotated here: ``q`` is given un-rotated
+    and rotated by the position map, the keys a block of slots at a time as they are read
+    (physical order) or after the gather (chronological).
         scale: softmax scale (default ``1/sqrt(D)``).
         return_lse: also return the per-query log-sum-exp in ``info.lse`` (``[..., Lq]``, the
             token dim moved last).
@@ -132,6 +142,11 @@ def attend(
     if path == "chronological" and read.chronological is None:
         raise ValueError(f"the chronological path is invalid for {read.name}: {read.chronological_refusal}"
                          + (f"; and it is needed because {'; '.join(reasons)}" if reasons else ""))
+    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 and needs causal=True, got window={window!r}, causal={causal}")
+    if read.rope_at_read is not None and rope_mode == "cache_relative":
+        raise ValueError(f"{read.name} rotates its raw keys by a position map at read (rope_at_read): "
+                         f"rope_mode='cache_relative' with a key_transform would rotate them twice")
     if causal and read.query_positions is None:
         raise ValueError("causal=True needs an open chunk: its rows' positions are the queries' positions")
     if causal and q.shape[read.seq_dim] != read.query_positions.numel():
@@ -141,6 +156,12 @@ def attend(
     seq = read.seq_dim
     qt = q.movedim(seq, -2)
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
+    rotation = None
+    if read.rope_at_read is not None:  # raw keys: rotate the queries now, the keys as they are read
+        rotation = read.rope_at_read.plan(read)
+        qt = rotation.queries(qt)
+        if path == "physical":
+            read = dataclasses.replace(read, load=rotation.load(read.load), rope_at_read=None)
     bias: Tensor | None = None
     occupancy: Occupancy | None = read.occupancy
     if path == "physical":
@@ -148,13 +169,15 @@ def attend(
         if read.occupancy == "prefix":
             k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
         if causal:
-            bias = read.causal_bias(read.query_positions, qt.dtype)
+            bias = read.causal_bias(read.query_positions, qt.dtype, window)
         else:
             bias = read.bias(qt.dtype)
     else:
         occupancy = None
         kc, vc, positions = read.chronological()
         k, v = kc.movedim(seq, -2), vc.movedim(seq, -2)
+        if rotation is not None:
+            k = rotation.chronological_keys(k, positions)
         if key_transform is not None:
             k = key_transform(k)
         if attn_mask is not None:
@@ -163,6 +186,8 @@ def attend(
         if causal:
             kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
             hide = kp.view(1, -1) > read.query_positions.view(-1, 1)
+            if window is not None:
+                hide |= kp.view(1, -1) <= read.query_positions.view(-1, 1) - window
             cb = torch.zeros(hide.shape, dtype=qt.dtype, device=qt.device).masked_fill_(hide, float("-inf"))
             bias = cb if bias is None else bias + cb
     # grouped-query attention: fold the query heads of each key head into its query rows

@@ -51,6 +51,7 @@ from torch import Tensor
 from ..layout import CacheLayout
 from ..policies import SlotPolicy, make_policy
 from ..policies.base import Step
+from ..rope_at_read import RopeAtRead
 from ..storage import KVStorage, check_int
 from .checks import InputChecks
 from .observers import CacheObserver, EvictionEvent, EvictionListener
@@ -95,6 +96,10 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         dtype, device: of the K/V buffers.
         buffers: optional preallocated ``(K, V)`` of shapes ``[num_layers, *k_shape]`` (seq
             extent ``sink + window + recall_slots``) to use instead of allocating.
+        rope_at_read: optional :class:`~streamkv.rope_at_read.RopeAtRead`: the keys written are
+            raw (un-rotated) and every read rotates keys and queries by its position map
+            (``attend`` does it, a block of slots at a time). None: keys are stored as given
+            (RoPE at write, the default).
 
     Buffers are allocated once; their ``data_ptr()`` never changes.
     """
@@ -118,6 +123,7 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         buffers: tuple[Tensor, Tensor] | None = None,
+        rope_at_read: Any = None,
         **policy_params: Any,
     ) -> None:
         if policy is None:
@@ -137,8 +143,14 @@ class KVCache(ReadPaths, StateDicts, InputChecks):
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
             buffers=buffers,
         )
-        pol.bind(self.storage, layout)
         st = self.storage
+        if rope_at_read is not None:
+            if not isinstance(rope_at_read, RopeAtRead):
+                raise TypeError(f"rope_at_read must be a streamkv RopeAtRead or None, got {type(rope_at_read).__name__}")
+            rope_at_read.bind(sink=layout.sink, capacity=st.slots, per_head=pol.per_head or bool(st.recall_slots),
+                              head_dim_size=st.k_shape[-1], device=st.device)
+        self.rope_at_read = rope_at_read
+        pol.bind(self.storage, layout)
         self.k_shape, self.v_shape, self.seq_dim, self.head_dim = st.k_shape, st.v_shape, st.seq_dim, st.head_dim
         self.num_layers, self.dtype, self.device = st.num_layers, st.dtype, st.device
         self._inference_buffers = st.keys.is_inference()  # torch lets them change only in inference mode

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -57,6 +57,10 @@ class KVRead:
             dequantised, raw keys rotated): ``attend`` then reads the cache a block of slots
             at a time (:func:`~streamkv.scoring.key_blockwise_attention`) and never builds a
             dense copy of the whole history.
+        rope_at_read: None when the keys are stored rotated (RoPE at write) or need no
+            rotation; else the cache's :class:`~streamkv.rope_at_read.RopeAtRead`: the keys are
+            raw, and ``attend`` rotates them (a block at a time, after ``load``) and the
+            queries by its position map.
     """
 
     keys: Tensor
@@ -75,6 +79,7 @@ class KVRead:
     bias_fn: Callable[[Tensor, torch.dtype], Tensor]
     name: str
     load: Callable[[int, int], tuple[Tensor, Tensor]] | None = None
+    rope_at_read: Any = None
 
     def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """The additive bias over the slots read (``-inf`` on empty ones), broadcastable
@@ -84,13 +89,17 @@ class KVRead:
             return None
         return self.bias_fn(self.positions, dtype)
 
-    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32, window: int | None = None
+                    ) -> Tensor:
         """The bias of position-causal attention over the slots read: a query at position
         ``p`` sees the occupied slots holding positions ``<= p`` (exact in physical order:
-        the mask is a function of positions, not of where they lie). ``query_positions``:
-        ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
+        the mask is a function of positions, not of where they lie); with ``window``, only
+        those ``> p - window`` (a sliding window of ``window`` positions, the query's own
+        included). ``query_positions``: ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
         pos = self.positions[:, : self.visible]  # [H, S]
         hidden = (pos.unsqueeze(-2) < 0) | (pos.unsqueeze(-2) > query_positions.view(-1, 1))  # [H, Q, S]
+        if window is not None:
+            hidden |= pos.unsqueeze(-2) <= query_positions.view(-1, 1) - window
         bias = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
         lead = self.keys.dim() - 2
         shape = [1] * lead + list(bias.shape[-2:])

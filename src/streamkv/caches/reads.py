@@ -110,7 +110,7 @@ class ReadPaths:
             num_retained=None if chrono is None else self.layout.num_valid(self._end), chronological=chrono,
             chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
-            bias_fn=st.bias, name=f"{self.name} cache layer {layer}",
+            bias_fn=st.bias, name=f"{self.name} cache layer {layer}", rope_at_read=self.rope_at_read,
         )
 
     def _chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:

@@ -39,6 +39,7 @@ class CacheSpec:
     recall_slots: int = 0
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
+    rope_at_read: Any = None  # a streamkv.rope_at_read.RopeAtRead: raw keys, rotated by a position map at read
 
     def __post_init__(self) -> None:
         for name in ("k_shape", "v_shape"):
