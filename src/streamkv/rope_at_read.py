@@ -160,7 +160,7 @@ class RopeAtRead:
                 outs.append(vals[0])
             else:
                 dt = torch.float64 if any(v.dtype.is_floating_point for v in vals) else torch.long
-                outs.append(torch.stack([v.to(dt) for v in vals])[self._selected])
+                outs.append(torch.stack([v.to(dt) for v in vals]).index_select(0, self._selected.view(1))[0])
         origin = outs[1][:, :1]
         res = [o - origin for o in outs]
         return res[0], res[1], (res[2] if extra is not None else None)

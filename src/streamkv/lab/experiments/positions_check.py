@@ -19,6 +19,7 @@ the same masks. The comparison is the max absolute difference (float64).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from streamkv.attention import attend
-from streamkv.caches import CACHE_KINDS
+from streamkv.caches import CACHE_KINDS, KVCache
 from streamkv.positions import POSITION_MAPS, PositionMap, position_map, reference_rotation
 from streamkv.rope import Rope3D
 from streamkv.rope_at_read import RopeAtRead, units_capacity
@@ -267,3 +268,109 @@ def ring_vs_chronological(*, sink: int = 2, window: int = 7, chunk: int = 3, chu
         chrono.commit_chunk(c)
     return {"comparisons": comps, "max_abs_diff": diff}
 
+
+
+def compiled_recompiles(*, chunks: int = 14, seed: int = 0) -> dict:
+    """One ``torch.compile``'d read step (write + map evaluation + rotation + attention) of a
+    ring holding raw keys, through filling, wraps, every switch between the registry's maps
+    and a RoPE cut switched on and off: ``{"frames": compiled frames, "recompiles": frames - 1,
+    "max_abs_diff": compiled vs eager}``. The dynamo trace is counted with a
+    ``CompileCounter`` backend (what ``tests/test_rollout.py`` counts)."""
+    import torch._dynamo.testing
+
+    g = torch.Generator().manual_seed(seed)
+    D, H, sink, window, chunk = 8, 2, 2, 7, 3
+    names = list(POSITION_MAPS)
+
+    def build() -> tuple[KVCache, RopeAtRead]:
+        rope = RopeAtRead(Rope1D(D, theta=100.0), [_map(MapLayout(map=m, kind="ring"), sink + window, sink, chunk)
+                                                  for m in names])
+        return CACHE_KINDS["ring"]((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink,
+                                   window=window, chunk=chunk, dtype=torch.float64, rope_at_read=rope), rope
+
+    (cache, rope), (eager, eager_rope) = build(), build()
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+
+    def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attend(q, cache.layer(0).update(k, v, occupancy="mask"), causal=True)[0]
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    diff, frames = 0.0, []
+    for c in range(chunks):
+        sel = c % len(names)
+        for r in (rope, eager_rope):
+            r.use(sel)
+            r.map("block_relative").set(cut=45 if c % 4 == 3 else -1)
+        cache.begin_chunk(c)
+        eager.begin_chunk(c)
+        q, k, v = (torch.randn(1, chunk, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+        got = compiled(q, k, v)
+        want, _ = attend(q, eager.layer(0).update(k, v, occupancy="mask"), causal=True)
+        diff = max(diff, float((got - want).abs().max()))
+        frames.append(counter.frame_count)
+        cache.commit_chunk(c)
+        eager.commit_chunk(c)
+    torch._dynamo.reset()
+    return {"frames": frames[-1], "recompiles": frames[-1] - frames[0], "frames_per_step": frames,
+            "maps_switched": names, "max_abs_diff": diff, "wraps": (chunks * chunk - sink) // window}
+
+
+def large_positions(shift: int = 1 << 40, seed: int = 0) -> dict:
+    """Reads 2**40 tokens into a stream: every non-sink position of a ring read moved ``shift``
+    on. Bounded maps: the output must be bit-identical to the read at small positions.
+    ``absolute``: the output against float64 attention with angles from exact rational
+    arithmetic (``p f mod 2 pi``), and what float64 RoPE at write (``p * f`` rounded) gives."""
+    from fractions import Fraction
+
+    from streamkv.rotary import _PI
+
+    def stream(name: str):
+        torch.manual_seed(seed)
+        rot = Rope1D(8, theta=100.0)
+        rope = RopeAtRead(rot, position_map(name, **POSITION_MAPS[name].for_geometry(2, 10, 3)))
+        c = CACHE_KINDS["ring"]((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=3,
+                                dtype=torch.float64, rope_at_read=rope)
+        for i in range(5):
+            c.begin_chunk(i)
+            q, k, v = (torch.randn(1, 3, 2, 8, dtype=torch.float64) for _ in range(3))
+            read = c.layer(0).update(k, v)
+            if i < 4:
+                c.commit_chunk(i)
+        far = dataclasses.replace(read, positions=torch.where(read.positions >= 2, read.positions + shift,
+                                                              read.positions),
+                                  query_positions=read.query_positions + shift)
+        return read, far, q, rot
+
+    out: dict[str, Any] = {"shift": shift, "bounded": {}}
+    for name, mk in POSITION_MAPS.items():
+        if mk.bounded:
+            read, far, q, _ = stream(name)
+            out["bounded"][name] = float((attend(q, read)[0] - attend(q, far)[0]).abs().max())
+    read, far, q, rot = stream("absolute")
+    got, _ = attend(q, far)
+    two_pi = 2 * _PI
+    freqs = rot.freqs
+
+    def exact(x: Tensor, positions: list[int]) -> Tensor:
+        ang = torch.tensor([[float((Fraction(p) * Fraction(f)) % two_pi) for f in freqs.tolist()] for p in positions],
+                           dtype=torch.float64)
+        return rot.rotate(x, ang.cos(), ang.sin())
+
+    def naive(x: Tensor, positions: list[int]) -> Tensor:
+        ang = torch.tensor(positions, dtype=torch.float64).unsqueeze(-1) * freqs
+        return rot.rotate(x, ang.cos(), ang.sin())
+
+    pos, qpos = far.positions[0].tolist(), far.query_positions.tolist()
+    for label, rotate in (("absolute_vs_exact_angles", exact), ("float64_rope_at_write_vs_exact", None)):
+        worst = 0.0
+        for h in range(2):
+            k, v = read.keys[0, :, h], read.values[0, :, h]
+            want = ((exact(q[0, :, h], qpos) @ exact(k, pos).T) / math.sqrt(8)).softmax(-1) @ v
+            if rotate is None:  # keys and queries rotated at write with naive float64 angles
+                mine = ((naive(q[0, :, h], qpos) @ naive(k, pos).T) / math.sqrt(8)).softmax(-1) @ v
+            else:
+                mine = got[0, :, h]
+            worst = max(worst, float((mine - want).abs().max()))
+        out[label] = worst
+    return out
