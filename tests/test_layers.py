@@ -15,7 +15,7 @@ LAYERS = [
     {"scoring", "rotary", "positions", "rope_at_read"},
     {"policies"},
     {"caches"},
-    {"attention", "rope", "distributed"},
+    {"attention", "rope", "distributed", "recache"},
     {"certify", "models", "compat"},
     {"rollout"},
     {"integrations"},
