@@ -263,3 +263,16 @@ def test_rejected_map_changes_change_nothing():
     assert rope.current.name == "absolute" and int(rope._selected) == 1
     with pytest.raises(ValueError, match="must differ"):
         RopeAtRead(Rope1D(8), ["absolute", "absolute"])
+
+
+def test_the_gpu_scripts_positions_section_runs_on_the_cpu():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_positions", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.check_positions(torch.device("cpu"), quick=True)
+    assert out["compile"]["frames"] == 1 and out["compile"]["rel_diff"] <= 1e-5
+    assert {n: s for n, s, _ in mod.RESULTS}["RoPE at read: one CUDA graph across maps"] == "SKIP"

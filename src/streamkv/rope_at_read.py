@@ -185,8 +185,7 @@ class RotationPlan:
                 groups: int = 1) -> tuple[Tensor, Tensor]:
         """cos/sin ``[H, N, D/2]`` arranged to broadcast against ``[*lead, N, D]`` with heads at
         ``heads_axis`` (repeated ``groups`` times for grouped queries)."""
-        ang = self.rope._device_rotary.angles(delta, positions)
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        cos, sin = self.rope._device_rotary.cos_sin(delta, positions, dtype)
         if groups > 1:
             cos, sin = cos.repeat_interleave(groups, 0), sin.repeat_interleave(groups, 0)
         shape = [1] * lead + list(cos.shape[-2:])

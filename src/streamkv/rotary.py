@@ -90,12 +90,23 @@ class Rotary:
     def angles(self, delta: Tensor, positions: Tensor) -> Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def cos_sin(self, delta: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos``/``sin`` ``[..., D/2]`` in ``dtype`` of :meth:`angles` (angles computed in
+        float64, then taken in ``dtype``: float64 tables for float64 reads, float32 ones for
+        float32 / bf16 / fp16 reads, whose keys are rounded far more coarsely)."""
+        ang = self.angles(delta, positions).to(dtype)
+        return ang.cos(), ang.sin()
+
     def to(self, device: torch.device) -> Rotary:  # pragma: no cover - interface
         raise NotImplementedError
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``x`` rotated pairwise (a new tensor, in the dtype of ``x``)."""
+        """``x`` rotated pairwise (a new tensor, in the dtype of ``x``). Interleaved pairs of a
+        float32/float64 ``x`` are one complex multiplication (a single pass)."""
         if self.style == "interleaved":
+            if x.dtype in (torch.float32, torch.float64) and cos.dtype == x.dtype and x.shape[-1] % 2 == 0:
+                z = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+                return torch.view_as_real(z * torch.complex(cos, sin)).flatten(-2)
             x2 = x.unflatten(-1, (-1, 2))
             a, b = x2[..., 0], x2[..., 1]
             return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
@@ -196,6 +207,24 @@ class FrameRope(Rotary):
         return torch.cat([exact_angles(delta, self.time_freqs, self.residues),
                           row.to(torch.float64).unsqueeze(-1) * self.hw_freqs[0],
                           col.to(torch.float64).unsqueeze(-1) * self.hw_freqs[1]], dim=-1)
+
+    def cos_sin(self, delta: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """As :meth:`Rotary.cos_sin`; the height/width bands (fixed per token of a frame) come
+        from per-frame tables built once per dtype, only the frame band is computed."""
+        tables = self._hw_tables.get(dtype) if hasattr(self, "_hw_tables") else None
+        if tables is None:
+            within = torch.arange(self.tokens_per_unit, device=self.time_freqs.device)
+            row, col = within // self.grid_w, within % self.grid_w
+            hw = torch.cat([row.to(torch.float64).unsqueeze(-1) * self.hw_freqs[0],
+                            col.to(torch.float64).unsqueeze(-1) * self.hw_freqs[1]], dim=-1).to(dtype)
+            tables = (hw.cos(), hw.sin())
+            if not hasattr(self, "_hw_tables"):
+                self._hw_tables = {}
+            self._hw_tables[dtype] = tables
+        t = exact_angles(delta, self.time_freqs, self.residues).to(dtype)
+        idx = positions.clamp_min(0) % self.tokens_per_unit
+        hc, hs = (tab[idx] for tab in tables)
+        return torch.cat([t.cos(), hc], dim=-1), torch.cat([t.sin(), hs], dim=-1)
 
     def __repr__(self) -> str:
         return f"FrameRope(head_dim={self.head_dim}, tokens_per_frame={self.tokens_per_unit})"

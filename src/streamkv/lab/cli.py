@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-toy": ("train_toy", "train the toy streaming video DiT on procedural clips (CPU); write its weights"),
     "video-eval": ("video_eval", "cache policies judged on the trained toy's video memory: frames, tracking, "
                    "re-entry, revisit, attention, oracle"),
+    "positions": ("positions", "position maps and RoPE at read: every map x cache x read path vs float64, one "
+                  "compiled graph, sliding-window LLMs, StreamingLLM, re-cache, cost, the toy 8x past its window"),
     "lm-eval": ("lm_eval", "caches on a real trained LM (SmolLM2-135M, Moby-Dick): perplexity and attention error at "
                 "matched KV memory vs the full cache and the per-query oracle"),
 }
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: options that count something, and their smallest sensible value (checked before any work)
 COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "nproc": 1, "repeats": 1,
           "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 1, "recall_slots": 1,
-          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "steps": 1}
+          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "steps": 1, "long_clips": 1}
 #: options naming an output file, and options naming an output folder
 OUTPUT_FILES, OUTPUT_DIRS = ("json", "plot"), ("out",)
 
