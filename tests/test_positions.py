@@ -48,6 +48,15 @@ def test_every_map_kind_and_read_path_equals_the_whole_history_reference(lay):
     assert res.max_abs_diff < FP64, res
 
 
+@pytest.mark.parametrize("kind", ["ring", "tova"])
+def test_small_key_blocks_and_row_pieces_change_nothing(kind):
+    """Keys read in blocks of 4 slots, rotated 3 rows at a time (the paths a large cache takes)."""
+    for lay in (MapLayout(map="sliding_sinks", kind=kind, causal=True, groups=2, seed=11),
+                MapLayout(map="block_relative", kind=kind, rotary="frame", occupancy="mask", cut_at=3, seed=12)):
+        res = run_map_layout(lay, rope_kwargs={"block": 4, "rows": 3})
+        assert res.max_abs_diff < FP64, res
+
+
 def test_scored_kinds_were_read_with_ragged_heads():
     rows = [run_map_layout(lay) for lay in LAYOUTS if lay.map == "cache_relative" and lay.kind in ("mass", "h2o", "tova")]
     assert all(r.ragged_reads > 0 for r in rows)
@@ -271,3 +280,42 @@ def test_one_compiled_graph_across_fills_wraps_and_map_changes():
     out = mod.check_positions(torch.device("cpu"), quick=True)
     assert out["compile"]["frames"] == 1 and out["compile"]["rel_diff"] <= 1e-5
     assert {n: s for n, s, _ in mod.RESULTS}["RoPE at read: one CUDA graph across maps"] == "SKIP"
+
+
+def test_the_docs_tables_are_the_registry():
+    from pathlib import Path
+
+    from streamkv.positions import registry_table
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("docs/ARCHITECTURE.md", "README.md"):
+        text = (root / doc).read_text()
+        a = text.index("<!-- position-maps -->") + len("<!-- position-maps -->")
+        b = text.index("<!-- /position-maps -->")
+        assert text[a:b].strip() == registry_table(), doc
+
+
+def test_the_fuzzers_position_hook_draws_the_registry():
+    import random
+
+    from streamkv.lab.fuzz_positions import draw_map_layout, fuzz_maps
+
+    rng = random.Random(0)
+    assert {draw_map_layout(rng).map for _ in range(200)} == set(POSITION_MAPS)
+    out = fuzz_maps(12, random.Random(3))
+    assert out["layouts"] == 12 and out["mismatches"] == 0 and out["max_abs_diff"] < 1e-12, out
+
+
+def test_the_readme_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("## Positions as data: RoPE at read")
+    code = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    cache, rope, out = scope["cache"], scope["rope"], scope["out"]
+    assert out.shape == (1, 16, 4, 32) and torch.isfinite(out).all()
+    assert rope.current.name == "block_relative" and rope.map("block_relative").params()["cut"] == 45
+    assert cache.next_chunk == 12 and (cache.slot_positions[..., :16] == torch.arange(16)).all()

@@ -107,7 +107,8 @@ def attend(
         return_lse: also return the per-query log-sum-exp in ``info.lse`` (``[..., Lq]``, the
             token dim moved last).
         block: query rows per block where the softmax is computed explicitly (slots per block
-            where the read loads its keys, ``read.load``).
+            where the read loads its keys, ``read.load``; a read that rotates raw keys uses its
+            ``RopeAtRead``'s ``block``).
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
@@ -157,7 +158,9 @@ def attend(
     qt = q.movedim(seq, -2)
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
     rotation = None
+    key_block = block
     if read.rope_at_read is not None:  # raw keys: rotate the queries now, the keys as they are read
+        key_block = read.rope_at_read.block  # the rotation's own block size (RopeAtRead(block=))
         rotation = read.rope_at_read.plan(read)
         qt = rotation.queries(qt)
         if path == "physical":
@@ -200,7 +203,7 @@ def attend(
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
     if path == "physical" and read.load is not None:
-        res = key_blockwise_attention(qt, _key_blocks(read, bias, block), scale=scale, statistics=scored,
+        res = key_blockwise_attention(qt, _key_blocks(read, bias, key_block), scale=scale, statistics=scored,
                                       lse=return_lse, head_axis=read.head_axis)
         out, lse = res.out, res.lse
         if scored:

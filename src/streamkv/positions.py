@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["POSITION_MAPS", "MapInputs", "MapKind", "PositionMap", "position_map", "reference_rotation"]
+__all__ = ["POSITION_MAPS", "MapInputs", "MapKind", "PositionMap", "position_map", "reference_rotation",
+           "registry_table"]
 
 _BIG = 1 << 62  # stands for "no unit" in sorts (never a real unit: positions are < 2**53)
 
@@ -218,8 +219,10 @@ def _ref_deep_sink(held, start, sink, p):
 class MapKind:
     """A registry entry: a rule, its source, how to build it and how to check it.
 
-    ``bounded``: its rotation positions stay within the cache's capacity whatever the stream
-    length (no overflow, exact at any position). ``params``: static parameter -> default
+    ``bounded``: on a window cache (ring, chronological) its rotation offsets stay within the
+    cache's capacity whatever the stream length (no overflow: the same output 2**40 tokens on).
+    On per-head caches ``cache_relative`` / ``block_relative`` stay bounded (ranks) but
+    ``sliding_sinks`` does not (a head that keeps an old token stretches its window). ``params``: static parameter -> default
     (None: required); ``dynamic``: device parameter -> default. ``for_geometry(sink, capacity,
     chunk)`` (units) gives the parameters an experiment uses at a cache geometry."""
 
@@ -233,6 +236,7 @@ class MapKind:
     dynamic: Mapping[str, int]
     for_geometry: Callable[[int, int, int], dict[str, Any]]
     same_as: str | None = None  # an equal rule (tested equal)
+    panel: bool = False  # streamed beside the ring in the demo's panel (the issue's long-video rules)
 
 
 POSITION_MAPS: dict[str, MapKind] = {m.name: m for m in (
@@ -250,13 +254,13 @@ POSITION_MAPS: dict[str, MapKind] = {m.name: m for m in (
     MapKind("sliding_sinks", "sinks keep [0, sink); the window (and the chunk) at sink + (p - w0), holes kept",
             "Rolling Sink 'Sliding Indices', arXiv 2602.07775 (Rolling-Sink wan/modules/causal_model.py); "
             "LongLive 2.0 use_relative_rope with prepend_sink",
-            True, _sliding_sinks, _ref_sliding_sinks, {}, {}, lambda s, c, f: {}),
+            True, _sliding_sinks, _ref_sliding_sinks, {}, {}, lambda s, c, f: {}, panel=True),
     MapKind("block_relative", "ranks within a horizon of F units (refused beyond it); anchor 'end': the "
             "current chunk at [F - f, F); RoPE Cut: the current chunk at [cut, cut + f)",
             "infinity-RoPE, arXiv 2511.20649 (yesiltepe-hidir/infinity-rope wan/modules/causal_model.py, "
             "rope_cut transition_from=45)",
             True, _block_relative, _ref_block_relative, {"horizon": None, "anchor": "start"}, {"cut": -1},
-            lambda s, c, f: {"horizon": c}),
+            lambda s, c, f: {"horizon": c}, panel=True),
     MapKind("deep_sink", "sink unit i at i + max(0, q0 - first_evict); window and chunk absolute",
             "Deep Forcing, arXiv 2512.05081 s4.2 (authors' causal_model_DS.py, commit ea9961a)",
             False, _deep_sink, _ref_deep_sink, {"first_evict": None}, {}, lambda s, c, f: {"first_evict": c}),
@@ -345,3 +349,13 @@ def reference_rotation(pmap: PositionMap, held: list[int], span_start: int, sink
         inp = MapInputs(h, torch.tensor([[span_start]]), sink)
         return lambda u: float(pmap(inp, torch.tensor([[u]], dtype=torch.long))[0, 0])
     return pmap.kind.reference(list(held), span_start, sink, p)
+
+
+def registry_table() -> str:
+    """The registry as a markdown table (the docs embed it between ``<!-- position-maps -->``
+    markers; ``tests/test_positions.py`` checks that they match)."""
+    rows = ["| map | rule | bounded on a window cache | source |", "|---|---|---|---|"]
+    for name, mk in POSITION_MAPS.items():
+        same = f" (= `{mk.same_as}`)" if mk.same_as else ""
+        rows.append(f"| `{name}`{same} | {mk.rule} | {'yes' if mk.bounded else 'no'} | {mk.source} |")
+    return "\n".join(rows)

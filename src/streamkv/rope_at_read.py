@@ -66,7 +66,14 @@ class RopeAtRead:
             with parameters), or a sequence of them (the first is in use; :meth:`use` switches).
     """
 
-    def __init__(self, rotary: Rotary, maps: str | PositionMap | Sequence[str | PositionMap] = "cache_relative") -> None:
+    def __init__(self, rotary: Rotary, maps: str | PositionMap | Sequence[str | PositionMap] = "cache_relative", *,
+                 block: int = 16384, rows: int = 2048) -> None:
+        for name, val in (("block", block), ("rows", rows)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        #: slots per key block of the attention (at least; attend's ``block`` if larger), and slots
+        #: rotated at a time inside a block (the transient float32 work stays ``rows`` wide)
+        self.block, self.rows = block, rows
         if not isinstance(rotary, Rotary):
             raise TypeError(f"rotary must be a streamkv Rotary (Rope1D, FrameRope), got {type(rotary).__name__}")
         seq = [maps] if isinstance(maps, (str, PositionMap)) else list(maps)
@@ -206,11 +213,21 @@ class RotationPlan:
         return self.rope.rotary.rotate(qt.to(acc), cos, sin).to(qt.dtype)
 
     def keys(self, kt: Tensor, a: int, b: int) -> Tensor:
-        """Keys of slots ``[a, b)`` in attention layout ``[..., b - a, D]``, rotated (same dtype)."""
+        """Keys of slots ``[a, b)`` in attention layout ``[..., b - a, D]``, rotated (same dtype),
+        ``rows`` slots at a time into one block-sized buffer (the float32 work stays that wide)."""
         read = self.read
         acc = torch.promote_types(kt.dtype, torch.float32)
-        cos, sin = self._tables(self.key_units[:, a:b], read.positions[:, a:b], acc, read.head_axis, kt.dim() - 2)
-        return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
+        rows = self.rope.rows
+        if b - a <= rows:
+            cos, sin = self._tables(self.key_units[:, a:b], read.positions[:, a:b], acc, read.head_axis, kt.dim() - 2)
+            return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
+        out = torch.empty_like(kt)
+        for lo in range(0, b - a, rows):
+            hi = min(lo + rows, b - a)
+            cos, sin = self._tables(self.key_units[:, a + lo:a + hi], read.positions[:, a + lo:a + hi], acc,
+                                    read.head_axis, kt.dim() - 2)
+            out[..., lo:hi, :] = self.rope.rotary.rotate(kt[..., lo:hi, :].to(acc), cos, sin)
+        return out
 
     def load(self, inner: Any) -> Any:
         """A ``KVRead.load`` that rotates what ``inner`` (or the physical buffers) give."""

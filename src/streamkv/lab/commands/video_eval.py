@@ -16,6 +16,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacities", type=int, nargs="+", default=list(d.capacities),
                    help=f"cache memory in frames, sink included (default {' '.join(map(str, d.capacities))})")
     p.add_argument("--tau", type=float, default=d.tau, help=f"mass budget of the 'mass' cache (default {d.tau})")
+    p.add_argument("--position-clips", type=int, default=1,
+                   help="clips streamed --position-factor x the training window under every position map (0: skip; "
+                        "default 1)")
+    p.add_argument("--position-factor", type=int, default=d.position_factor,
+                   help=f"length of those streams in training windows (default {d.position_factor})")
     p.add_argument("--weights", default=None, help="weights (default: the packaged toy weights)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", default="out/video_eval.json", help="result JSON (default out/video_eval.json)")
@@ -32,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     weights = args.weights or WEIGHTS
     cfg = EvalConfig(clips=args.clips, frames=args.frames, capacities=tuple(args.capacities), tau=args.tau,
-                     horizon=training_horizon(weights))
+                     horizon=training_horizon(weights), position_clips=args.position_clips,
+                     position_factor=args.position_factor)
     console = make_console()
     model = load_model(weights)
     with threads(args.threads), console.status("") as status:

@@ -163,8 +163,8 @@ class MapResult:
     ragged_reads: int = 0  # reads where the heads held different positions
 
 
-def run_map_layout(lay: MapLayout, *, pmap_override: PositionMap | None = None, reference_map: PositionMap | None = None
-                   ) -> MapResult:
+def run_map_layout(lay: MapLayout, *, pmap_override: PositionMap | None = None, reference_map: PositionMap | None = None,
+                   rope_kwargs: dict | None = None) -> MapResult:
     """Stream ``lay`` and compare every read (see the module docstring). ``pmap_override``
     replaces the cache's map (a deliberately wrong one is caught against ``reference_map``)."""
     g = torch.Generator().manual_seed(lay.seed)
@@ -176,7 +176,7 @@ def run_map_layout(lay: MapLayout, *, pmap_override: PositionMap | None = None, 
     sink_units, chunk_units = lay.sink // tpu, max(lay.chunk // tpu, 1)
     pmap = pmap_override or _map(lay, units_capacity(cap, per_head, tpu), sink_units, chunk_units)
     ref_map = reference_map or pmap
-    rope = RopeAtRead(rot, pmap)
+    rope = RopeAtRead(rot, pmap, **(rope_kwargs or {}))
     k_shape = (1, cap, H, D) if lay.seq_dim == 1 else (1, H, cap, D)
     v_shape = k_shape[:-1] + (Dv,)
     kw = {"budget": cap - lay.chunk} if lay.kind in ("h2o", "tova") else {"tau": 0.3} if lay.kind == "mass" else {}

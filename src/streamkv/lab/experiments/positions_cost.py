@@ -48,7 +48,7 @@ def _grid(tpf: int) -> tuple[int, int]:
     return (tpf // 52, 52) if tpf % 52 == 0 else (1, tpf)
 
 
-def read_cost(preset: str, *, repeats: int = 3, block: int = 8192, queries: int | None = None,
+def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int | None = None,
               memory: bool = True) -> dict[str, Any]:
     """Time the subjects of the module docstring at ``preset``; returns ms, ratios and bytes."""
     p = get_preset(preset)
@@ -58,7 +58,7 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 8192, queries: int 
     cap, chunk, sink = p.capacity, p.chunk, p.sink
     shape = (1, cap, 1, D)
     kw = dict(seq_dim=1, sink=sink, window=p.window, chunk=chunk, dtype=dtype)
-    raw = RingCache(shape, shape, **kw, rope_at_read=RopeAtRead(FrameRope(rope3d), "cache_relative"))
+    raw = RingCache(shape, shape, **kw, rope_at_read=RopeAtRead(FrameRope(rope3d), "cache_relative", block=block))
     rot = RingCache(shape, shape, **kw)
     chrono = ChronologicalCache(shape, shape, **kw)
     g = torch.Generator().manual_seed(0)
@@ -94,7 +94,7 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 8192, queries: int 
     steps = {
         "prerotated": lambda: attend(q_abs, read_rot),
         "rope_at_write": lambda: (Rope3D.rotate(q_abs, wcos[:nq], wsin[:nq]), Rope3D.rotate(k_chunk, wcos, wsin)),
-        "rotate_at_read": lambda: attend(q, read_raw, block=block),
+        "rotate_at_read": lambda: attend(q, read_raw),
         "keyblocked": lambda: attend(q_abs, blocked, block=block),
         "chronological": lambda: attend(q_rel, read_chrono, rope_mode="cache_relative",
                                         key_transform=lambda kc: Rope3D.rotate(kc, rel_cos[:, 0], rel_sin[:, 0])),
@@ -118,7 +118,7 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 8192, queries: int 
     }
     out["target_met"] = out["ratios"]["rotate_at_read_vs_prerotated"] <= 1.3
     if memory:
-        tr = probe_transient(lambda: attend(q, read_raw, block=block), "cpu", steps=1)
+        tr = probe_transient(lambda: attend(q, read_raw), "cpu", steps=1)
         tc = probe_transient(steps["chronological"], "cpu", steps=1)
         elem = torch.tensor([], dtype=dtype).element_size()
         out["transient_bytes"] = {
