@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a quick run: the small cost preset, a tiny Llama for StreamingLLM, a 2x long stream")
     p.add_argument("--no-smollm2", action="store_true", help="StreamingLLM on a tiny Llama instead of SmolLM2")
-    p.add_argument("--long-clips", type=int, default=1, help="held-out clips of the long stream (default 1)")
+    p.add_argument("--long-clips", type=int, default=3, help="held-out clips of the long stream (default 3)")
     p.add_argument("--long-factor", type=int, default=8, help="long stream length in training windows (default 8)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared CPU a 2-thread pool stalls small ops)")

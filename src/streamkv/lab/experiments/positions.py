@@ -188,7 +188,7 @@ def flashdreams_check() -> dict[str, Any]:
 
 
 def run_positions(*, quick: bool = False, smollm2: bool = True, cost_presets: tuple[str, ...] | None = None,
-                  long_clips: int = 1, long_factor: int = 8, progress: Callable[[str], None] | None = None
+                  long_clips: int = 3, long_factor: int = 8, progress: Callable[[str], None] | None = None
                   ) -> dict[str, Any]:
     """Every section of the module docstring (``quick``: the small cost preset, a tiny Llama for
     StreamingLLM, a 2x long stream)."""
@@ -231,7 +231,7 @@ def run_positions(*, quick: bool = False, smollm2: bool = True, cost_presets: tu
     out["cost"] = {}
     for p in presets:
         say(f"cost: {p}")
-        out["cost"][p] = read_cost(p, repeats=3)
+        out["cost"][p] = read_cost(p, repeats=5)
     say("long stream")
     from streamkv.lab.video.positions import long_stream
     from streamkv.lab.video.toy import load_model, training_horizon

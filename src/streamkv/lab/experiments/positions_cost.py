@@ -12,6 +12,10 @@ state), the open chunk's queries (the preset's whole chunk of tokens) reading it
                         device, queries rotated once, keys rotated a block at a time inside the
                         key-blocked attention (:mod:`streamkv.rope_at_read`)
 ``keyblocked``          the same key-blocked attention over pre-rotated keys (the blocking alone)
+``rotate_at_read / keyblocked`` is the rotation's own cost inside the blocks; ``keyblocked /
+prerotated`` the cost of reading in blocks (one fused kernel call per block, merged by log-sum-exp)
+instead of one SDPA call.
+
 ``chronological``       the current path for cache-relative RoPE: keys gathered in position
                         order, the whole window rotated by index (``rope_mode="cache_relative"``),
                         SDPA; plus its roll (``begin_chunk`` clones and shifts the window), charged
@@ -111,6 +115,7 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int
             "rotate_at_read_vs_rope_at_write": ms["rotate_at_read"] / (ms["prerotated"] + ms["rope_at_write"]),
             "rotate_at_read_vs_chronological_rerotate": ms["rotate_at_read"] / chrono_read,
             "keyblocked_vs_prerotated": ms["keyblocked"] / ms["prerotated"],
+            "rotate_at_read_vs_keyblocked": ms["rotate_at_read"] / ms["keyblocked"],
         },
         "target": "rotate_at_read_vs_prerotated <= 1.3",
         "timing": {"rounds": run.rounds, "clean": run.clean, "contended": run.contended,
