@@ -21,7 +21,7 @@ device, dtype``), methods and properties (``before_update``, ``update``,
   pass ``relative_rope_freqs=`` (its ``KVCacheRelativeRotaryPositionEmbedding3D.shift_t``
   table) and ``interleaved=``; ``cached_k()`` then returns the ring's keys pre-rotated so that
   flashdreams' own rotation places each at its chronological index, and ``write_end`` is
-  ``size`` after evictions too (:mod:`.flashdreams_rope`).
+  ``size`` after evictions too (:mod:`.cache_relative_rope`).
 - ``update`` accepts what the original's slice assignment accepts of dtypes and devices: K/V
   of another floating dtype are cast to the cache's, K/V on another device are copied over.
   It does not broadcast: K/V must have the chunk's exact shape (the original would broadcast
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..caches import RingCache
 from ..storage import check_int
-from .flashdreams_rope import check_relative_freqs, rotate_full_width, slot_ranks
+from .cache_relative_rope import check_relative_freqs, rotate_full_width, slot_ranks
 
 __all__ = ["CircularBlockKVCache"]
 
@@ -91,7 +91,7 @@ class CircularBlockKVCache:
         self.device = self._ring.device
         self.dtype = dtype
         self._reopened = False  # the open chunk is a repeat of the committed one
-        # flashdreams' KV-cache-relative RoPE (:mod:`.flashdreams_rope`): raw keys, rotated by index on read
+        # flashdreams' KV-cache-relative RoPE (:mod:`.cache_relative_rope`): raw keys, rotated by index on read
         self.relative_rope_freqs = None if relative_rope_freqs is None else check_relative_freqs(
             relative_rope_freqs, sink_size + window_size, self.k_shape[-1]).to(self.device)
         self.interleaved = bool(interleaved)
@@ -151,7 +151,7 @@ class CircularBlockKVCache:
     def cached_k(self) -> Tensor:
         """Keys of the occupied slots in physical order (valid prefix while filling). With
         ``relative_rope_freqs``: a copy, slot ``s`` pre-rotated by ``freqs[rank(s)] - freqs[s]``
-        (:mod:`.flashdreams_rope`), so that flashdreams' rotation by index yields its rank's."""
+        (:mod:`.cache_relative_rope`), so that flashdreams' rotation by index yields its rank's."""
         n = self._ring.num_valid
         keys = self._ring.keys().narrow(self.seq_dim, 0, n)
         if self.relative_rope_freqs is None:

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 #: options that count something, and their smallest sensible value (checked before any work)
 COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "nproc": 1, "repeats": 1,
           "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 1, "recall_slots": 1,
-          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "steps": 1, "long_clips": 1}
+          "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "steps": 1, "long_clips": 1, "long_factor": 1, "position_factor": 1}
 #: options naming an output file, and options naming an output folder
 OUTPUT_FILES, OUTPUT_DIRS = ("json", "plot"), ("out",)
 

@@ -149,7 +149,7 @@ def flashdreams_check() -> dict[str, Any]:
     import torch.nn.functional as F
 
     from streamkv.compat.flashdreams import CircularBlockKVCache
-    from streamkv.compat.flashdreams_rope import rotate_full_width
+    from streamkv.compat.cache_relative_rope import rotate_full_width
     from streamkv.lab.bench.peers import flashdreams_version, load_block_kv_cache
 
     block_kv = load_block_kv_cache()
