@@ -24,6 +24,10 @@ Sections (each prints PASS/FAIL lines; the exit status is 1 if any check fails):
    float64 full-history attention (0 violations), and its time per chunk against the ring at
    the same device memory (CUDA events around the cache's work; the check excluded).
 
+5. position maps / RoPE at read (:func:`check_positions`): one CUDA graph and one compiled
+   graph across fills, wraps, map switches and a RoPE cut; the cost of rotation at read against
+   SDPA over pre-rotated keys at the self-forcing shape.
+
 On the CPU (``--device cpu``) graphs are skipped (printed as SKIP) and compile uses the
 ``aot_eager`` backend with ``--quick``.
 """
@@ -191,6 +195,147 @@ def check_two_tier(device: torch.device, quick: bool) -> dict:
     return {"config": r["config"], "caches": r["caches"], "ratios": r["ratios"]}
 
 
+# --------------------------------------------------------------------------- 5
+def check_positions(device: torch.device, quick: bool) -> dict:
+    """Position maps / RoPE at read on the device (self-contained; streamkv issue 19).
+
+    (a) CUDA graph: one graph of ``update + attend`` (raw keys, several maps, a RoPE cut) captured
+    once, replayed for every chunk with ``begin_chunk``, map switches and the cut changed outside
+    the graph (device writes): equal to an eager cache (fp32, <= 1e-5 of the output scale).
+    (b) ``torch.compile`` of the same step (inductor on CUDA, aot_eager on the CPU): compiled
+    frames counted, must stay 1 across fills, wraps and map switches; equal to eager.
+    (c) cost on the device: attention with rotation at read vs SDPA over pre-rotated keys at the
+    self-forcing shape (all 12 heads; CUDA events). The key-blocked path is a matmul online
+    softmax on CUDA (the rotation belongs inside the attention kernel there: flashinfer's
+    ``pos_encoding_mode="ROPE_LLAMA"``); the ratio says what that costs today.
+    """
+    from streamkv.attention import attend
+    from streamkv.positions import POSITION_MAPS, position_map
+    from streamkv.rope_at_read import RopeAtRead
+    from streamkv.rotary import Rope1D
+
+    out: dict = {}
+    S, W, C, H, D = 2, 7, 3, 4, 16
+    names = list(POSITION_MAPS)
+
+    def build():
+        maps = [position_map(n, **POSITION_MAPS[n].for_geometry(S, S + W, C)) for n in names]
+        rope = RopeAtRead(Rope1D(D, theta=100.0), maps)
+        return RingCache((1, S + W, H, D), (1, S + W, H, D), seq_dim=1, sink=S, window=W, chunk=C, device=device,
+                         rope_at_read=rope), rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    chunks = 8 if quick else 14
+    # (a) one captured graph
+    if device.type == "cuda":
+        (g_cache, g_rope), (e_cache, e_rope) = build(), build()
+        sq, sk, sv = (torch.zeros(1, C, H, D, device=device) for _ in range(3))
+        graph = static_out = None
+        worst = 0.0
+        for c in range(chunks):
+            for cache, rope in ((g_cache, g_rope), (e_cache, e_rope)):
+                cache.begin_chunk(c)
+                rope.use(c % len(names))
+                rope.map("block_relative").set(cut=45 if c % 4 == 3 else -1)
+            q, k, v = (torch.randn(1, C, H, D, device=device, generator=gen) for _ in range(3))
+            for dst, src in ((sq, q), (sk, k), (sv, v)):
+                dst.copy_(src)
+            if graph is None:
+                st = torch.cuda.Stream()
+                st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    attend(sq, g_cache.layer(0).update(sk, sv, occupancy="mask"), causal=True)
+                torch.cuda.current_stream().wait_stream(st)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out, _ = attend(sq, g_cache.layer(0).update(sk, sv, occupancy="mask"), causal=True)
+            graph.replay()
+            want, _ = attend(q, e_cache.layer(0).update(k, v, occupancy="mask"), causal=True)
+            worst = max(worst, float((static_out - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            for cache in (g_cache, e_cache):
+                cache.commit_chunk(c)
+        out["graph_rel_diff"] = worst
+        record("RoPE at read: one CUDA graph across maps", worst <= 1e-5,
+               f"max |replay - eager| / scale over {chunks} chunks, {len(names)} maps switched = {worst:.1e}")
+    else:
+        record("RoPE at read: one CUDA graph across maps", None, "needs CUDA")
+    # (b) one compiled graph
+    import torch._dynamo as dynamo
+
+    frames = [0]
+    if device.type == "cuda":
+        from torch._inductor.compile_fx import compile_fx
+
+        def backend(gm, example):
+            frames[0] += 1
+            return compile_fx(gm, example)
+    else:
+        def backend(gm, example):
+            frames[0] += 1
+            return gm.forward
+    dynamo.reset()
+    (c_cache, c_rope), (e_cache, e_rope) = build(), build()
+    step = torch.compile(lambda q, k, v: attend(q, c_cache.layer(0).update(k, v, occupancy="mask"), causal=True)[0],
+                         backend=backend, fullgraph=True)
+    worst = 0.0
+    for c in range(14):  # filling, the first eviction, 5 wraps
+        for cache, rope in ((c_cache, c_rope), (e_cache, e_rope)):
+            cache.begin_chunk(c)
+            rope.use(c % len(names))
+            rope.map("block_relative").set(cut=45 if c % 4 == 3 else -1)
+        q, k, v = (torch.randn(1, C, H, D, device=device, generator=gen) for _ in range(3))
+        got = step(q, k, v)
+        want, _ = attend(q, e_cache.layer(0).update(k, v, occupancy="mask"), causal=True)
+        worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        for cache in (c_cache, e_cache):
+            cache.commit_chunk(c)
+    dynamo.reset()
+    out["compile"] = {"frames": frames[0], "rel_diff": worst}
+    record("RoPE at read: torch.compile", frames[0] == 1 and worst <= 1e-5,
+           f"compiled frames {frames[0]} over 14 chunks (5 wraps), {len(names)} maps and a RoPE cut switched; "
+           f"max rel diff {worst:.1e}")
+    # (c) cost at the self-forcing shape
+    if device.type == "cuda" and not quick:
+        import torch.nn.functional as F
+
+        from streamkv.rope import Rope3D
+        from streamkv.rotary import FrameRope
+
+        tpf, frames_w, chunk_f, heads, hd = 1560, 21, 3, 12, 128
+        cap, chunk = frames_w * tpf, chunk_f * tpf
+        dt = torch.bfloat16
+        rope = RopeAtRead(FrameRope(Rope3D(hd, 30, 52, max_frames=1 << 16)), "cache_relative")
+        raw = RingCache((1, cap, heads, hd), (1, cap, heads, hd), seq_dim=1, sink=0, window=cap, chunk=chunk,
+                        dtype=dt, device=device, rope_at_read=rope)
+        for c in range(cap // chunk + 1):
+            raw.begin_chunk(c)
+            kk = torch.randn(1, chunk, heads, hd, device=device, dtype=dt)
+            raw.write(kk, kk)
+            if c < cap // chunk:
+                raw.commit_chunk(c)
+        q = torch.randn(1, chunk, heads, hd, device=device, dtype=dt)
+        read = raw.read()
+        kt, vt = read.keys.transpose(1, 2), read.values.transpose(1, 2)
+
+        def timed(fn, n=5):
+            fn()
+            torch.cuda.synchronize(device)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            return a.elapsed_time(b) / n
+
+        pre = timed(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt))
+        rot = timed(lambda: attend(q, read, block=8192))
+        out["cost_self_forcing"] = {"prerotated_sdpa_ms": pre, "rotate_at_read_ms": rot, "ratio": rot / pre}
+        record("RoPE at read: cost at self-forcing", True, f"rotate at read {rot:.1f} ms vs SDPA {pre:.1f} ms "
+               f"({rot / pre:.2f}x; the CUDA key-blocked path is a matmul online softmax)")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -209,6 +354,7 @@ def main() -> int:
     report["maintenance"] = bench_maintenance(device, args.quick)
     report["rollout_latency"] = bench_rollout(device, args.quick, args.full_model)
     report["two_tier"] = check_two_tier(device, args.quick)
+    report["positions"] = check_positions(device, args.quick)
     report["checks"] = [{"check": n, "status": s, "detail": d} for n, s, d in RESULTS]
     report["seconds"] = time.perf_counter() - t0
     if args.json:

@@ -12,10 +12,10 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 LAYERS = [
     {"validate", "layout", "budget", "reference", "quant"},
     {"storage", "quant_store"},
-    {"scoring"},
+    {"scoring", "rotary", "positions", "rope_at_read"},
     {"policies"},
     {"caches"},
-    {"attention", "rope", "distributed"},
+    {"attention", "rope", "distributed", "recache"},
     {"certify", "models", "compat"},
     {"rollout"},
     {"integrations"},

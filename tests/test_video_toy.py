@@ -292,3 +292,17 @@ def test_video_demo_writes_gifs(tmp_path):
         with Image.open(tmp_path / name) as im:
             assert im.n_frames == 8
     assert (tmp_path / "demo_panel.png").stat().st_size > 0
+
+
+def test_video_eval_streams_every_position_map_past_the_window():
+    from streamkv.lab.video.evaluate import EvalConfig, evaluate
+    from streamkv.lab.video.positions import long_stream_maps
+
+    cfg = EvalConfig(clips=1, frames=8, capacities=(6,), kinds=("ring",), horizon=6, position_clips=1,
+                     position_factor=2, oracle_taus=())
+    pm = evaluate(load_model(), cfg)["position_maps"]
+    assert pm["frames"] == 12 and set(pm["per_map"]) == {"full history", "ring (RoPE at write)", *long_stream_maps()}
+    for name, r in pm["per_map"].items():
+        assert len(r["vs_truth"]["per_frame"]) == 12 and max(r["vs_full_history"]["per_frame"][:4]) == 0
+    assert max(pm["per_map"]["full history"]["vs_full_history"]["per_frame"]) == 0
+    assert pm["absolute_at_read_vs_ring_at_write_max_abs_latent_diff"] <= 1e-4

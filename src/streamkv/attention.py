@@ -32,6 +32,7 @@ has the same layout with the value feature size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def attend(
     key_transform: Callable[[Tensor], Tensor] | None = None,
     attn_mask: Tensor | None = None,
     causal: bool = False,
+    window: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
     block: int = 256,
@@ -95,11 +97,20 @@ def attend(
             ``[..., Lq, L]`` (chronological path only).
         causal: hide from a query the keys at later positions; the queries are the open
             chunk's rows (their positions come from the read).
+        window: with ``causal``, a sliding window: a query at ``p`` sees only keys at
+            positions ``> p - window`` (its own included), each query its own window
+            (transformers' ``sliding_window``); None: no window.
+
+    A read whose cache stores raw keys (``read.rope_at_read``, a
+    :class:`~streamkv.rope_at_read.RopeAtRead`) is rotated here: ``q`` is given un-rotated
+    and rotated by the position map, the keys a block of slots at a time as they are read
+    (physical order) or after the gather (chronological).
         scale: softmax scale (default ``1/sqrt(D)``).
         return_lse: also return the per-query log-sum-exp in ``info.lse`` (``[..., Lq]``, the
             token dim moved last).
         block: query rows per block where the softmax is computed explicitly (slots per block
-            where the read loads its keys, ``read.load``).
+            where the read loads its keys, ``read.load``; a read that rotates raw keys uses its
+            ``RopeAtRead``'s ``block``).
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
@@ -139,6 +150,11 @@ def attend(
     if path == "chronological" and read.chronological is None:
         raise ValueError(f"the chronological path is invalid for {read.name}: {read.chronological_refusal}"
                          + (f"; and it is needed because {'; '.join(reasons)}" if reasons else ""))
+    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 and needs causal=True, got window={window!r}, causal={causal}")
+    if read.rope_at_read is not None and rope_mode == "cache_relative":
+        raise ValueError(f"{read.name} rotates its raw keys by a position map at read (rope_at_read): "
+                         f"rope_mode='cache_relative' with a key_transform would rotate them twice")
     if causal and read.query_positions is None:
         raise ValueError("causal=True needs an open chunk: its rows' positions are the queries' positions")
     if causal and q.shape[read.seq_dim] != read.query_positions.numel():
@@ -150,6 +166,14 @@ def attend(
     seq = read.seq_dim
     qt = q.movedim(seq, -2)
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
+    rotation = None
+    key_block = block
+    if read.rope_at_read is not None:  # raw keys: rotate the queries now, the keys as they are read
+        key_block = read.rope_at_read.block  # the rotation's own block size (RopeAtRead(block=))
+        rotation = read.rope_at_read.plan(read)
+        qt = rotation.queries(qt)
+        if path == "physical":
+            read = dataclasses.replace(read, load=rotation.load(read.load), rope_at_read=None)
     bias: Tensor | None = None
     occupancy: Occupancy | None = read.occupancy
     if path == "physical":
@@ -157,13 +181,15 @@ def attend(
         if read.occupancy == "prefix":
             k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
         if causal:
-            bias = read.causal_bias(read.query_positions, qt.dtype)
+            bias = read.causal_bias(read.query_positions, qt.dtype, window)
         else:
             bias = read.bias(qt.dtype)
     else:
         occupancy = None
         kc, vc, positions = read.chronological()
         k, v = kc.movedim(seq, -2), vc.movedim(seq, -2)
+        if rotation is not None:
+            k = rotation.chronological_keys(k, positions)
         if key_transform is not None:
             k = key_transform(k)
         if attn_mask is not None:
@@ -171,7 +197,7 @@ def attend(
                 attn_mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(~attn_mask, float("-inf"))
         if causal:
             kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
-            cb = position_bias(kp, read.query_positions, qt.dtype)
+            cb = position_bias(kp, read.query_positions, qt.dtype, window)
             bias = cb if bias is None else bias + cb
     # grouped-query attention: fold the query heads of each key head into its query rows
     groups = 1
@@ -183,7 +209,7 @@ def attend(
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
     if path == "physical" and read.load is not None:
-        res = key_blockwise_attention(qt, _key_blocks(read, bias, block), scale=scale, statistics=scored,
+        res = key_blockwise_attention(qt, _key_blocks(read, bias, key_block), scale=scale, statistics=scored,
                                       lse=return_lse, head_axis=read.head_axis)
         out, lse = res.out, res.lse
         if scored:

@@ -42,16 +42,21 @@ __all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias"]
 
 
 def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
-                  dtype: torch.dtype = torch.float32) -> Tensor:
+                  dtype: torch.dtype = torch.float32, window: int | None = None) -> Tensor:
     """The additive mask of attention over slots holding ``key_positions [..., S]`` (``-1``:
     empty): ``-inf`` on empty slots and, given ``query_positions [Q]`` (causal attention), on
-    keys at later positions than the query. Shape ``[..., Q, S]`` (``Q = 1`` without queries).
+    keys at later positions than the query, and with ``window`` on keys at positions ``<= p -
+    window`` (a sliding window of ``window`` positions, the query's own included). Shape
+    ``[..., Q, S]`` (``Q = 1`` without queries).
     A function of positions, so it is exact in any physical order: the one mask builder of the
     project (reads, the chronological path, the certifier, the whole-history check)."""
     k = key_positions.unsqueeze(-2)
     hidden = k < 0
     if query_positions is not None:
-        hidden = hidden | (k > query_positions.reshape(-1, 1))
+        qp = query_positions.reshape(-1, 1)
+        hidden = hidden | (k > qp)
+        if window is not None:
+            hidden = hidden | (k <= qp - window)
     return torch.zeros(hidden.shape, dtype=dtype, device=key_positions.device).masked_fill_(hidden, float("-inf"))
 
 
@@ -262,13 +267,14 @@ class KVStorage:
             return None
         return [d for d in range(len(self.k_shape) - 1) if d != self.seq_dim].index(self.head_dim)
 
-    def bias(self, positions: Tensor, dtype: torch.dtype, query_positions: Tensor | None = None) -> Tensor:
+    def bias(self, positions: Tensor, dtype: torch.dtype, query_positions: Tensor | None = None,
+             window: int | None = None) -> Tensor:
         """Additive attention bias from per-head slot ``positions [H, S]`` (``-inf`` where ``< 0``
         and, given ``query_positions [Q]``, where a key is at a later position than the query:
         :func:`position_bias`), shaped to broadcast against scores ``[..., Q, S]`` of a layer
         moved to ``[..., T, D]`` (:meth:`lay_out_bias`).
         """
-        return self.lay_out_bias(position_bias(positions, query_positions, dtype))
+        return self.lay_out_bias(position_bias(positions, query_positions, dtype, window))
 
     def lay_out_bias(self, bias: Tensor) -> Tensor:
         """A per-head bias ``[H, Q, S]`` shaped to broadcast against scores ``[..., Q, S]`` of a

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..layout import CacheLayout
 from ..policies import SlotPolicy, Step, make_policy
+from ..rope_at_read import RopeAtRead
 from ..storage import KVStorage
 from ..validate import check_int
 from .checks import InputChecks
@@ -65,6 +66,10 @@ class KVCache:
             dense K/V, the sinks, the open span and a residual in full precision, every token
             quantised once at its commit (:mod:`streamkv.quant_store`). Reads go block by block
             (``KVRead.load``); ``keys()``/``values()`` return dequantised copies.
+        rope_at_read: optional :class:`~streamkv.rope_at_read.RopeAtRead`: the keys written are
+            raw (un-rotated) and every read rotates keys and queries by its position map
+            (``attend`` does it, a block of slots at a time). None: keys are stored as given
+            (RoPE at write, the default).
 
     Buffers are allocated once; their ``data_ptr()`` never changes. The policy's
     ``cache_properties`` (``budget``, ``tau``, ``wraps``, ...) read through the cache.
@@ -90,6 +95,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         buffers: tuple[Tensor, Tensor] | None = None,
         quant: Any = None,
+        rope_at_read: Any = None,
         **policy_params: Any,
     ) -> None:
         if policy is None:
@@ -108,12 +114,18 @@ class KVCache:
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
             buffers=buffers, quant=quant, sink=layout.sink,
         )
+        if rope_at_read is not None:
+            if not isinstance(rope_at_read, RopeAtRead):
+                raise TypeError(f"rope_at_read must be a streamkv RopeAtRead or None, got {type(rope_at_read).__name__}")
+            rope_at_read.bind(sink=layout.sink, capacity=st.slots, per_head=pol.per_head or bool(st.recall_slots),
+                              head_dim_size=st.k_shape[-1], device=st.device)
+        self.rope_at_read = rope_at_read
         self.lifecycle = Lifecycle(layout, st.device)
         pol.bind(st, layout, self.lifecycle)
         self.k_shape, self.v_shape, self.seq_dim, self.head_dim = st.k_shape, st.v_shape, st.seq_dim, st.head_dim
         self.num_layers, self.dtype, self.device = st.num_layers, st.dtype, st.device
         self.checks = InputChecks(st, layout, self.lifecycle, pol)
-        self.reads = Reads(st, layout, self.lifecycle, pol, self.checks)
+        self.reads = Reads(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
         self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks)
         self._observers = Observers(self)
 
@@ -452,6 +464,13 @@ class KVCache:
     def chronological_values(self, layer: int | None = None) -> Tensor:
         """Retained values in position order (a gathered copy); refused as the keys are."""
         return self.reads.chronological_view(self.checks.layer(layer))[1]
+
+    def chronological_positions(self) -> list[int]:
+        """Positions of the ``chronological_keys()`` rows (host arithmetic); refused as they are."""
+        refusal = self.reads.chronological_refusal
+        if refusal:
+            raise ValueError(f"no chronological view: {refusal}")
+        return self.layout.retained_positions(self.end)
 
     # ================================================================ state dicts
     def config(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -63,6 +63,10 @@ class KVRead:
         generation, lifecycle: the cache lifecycle generation the read was made in; a read kept
             across a begin, commit, reset or load is refused (:meth:`check_current`). None in a
             compiled step (traced reads are rebuilt every call).
+        rope_at_read: None when the keys are stored rotated (RoPE at write) or need no
+            rotation; else the cache's :class:`~streamkv.rope_at_read.RopeAtRead`: the keys are
+            raw, and ``attend`` rotates them (a block at a time, after ``load``) and the
+            queries by its position map.
     """
 
     keys: Tensor
@@ -83,6 +87,7 @@ class KVRead:
     load: Callable[[int, int], tuple[Tensor, Tensor]] | None = None
     generation: int | None = None
     lifecycle: Lifecycle | None = None
+    rope_at_read: Any = None
 
     def check_current(self) -> None:
         """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made."""
@@ -97,9 +102,11 @@ class KVRead:
             return None
         return self.bias_fn(self.positions, dtype)
 
-    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32, window: int | None = None
+                    ) -> Tensor:
         """The bias of position-causal attention over the slots read: a query at position
         ``p`` sees the occupied slots holding positions ``<= p`` (exact in physical order:
-        the mask is a function of positions, not of where they lie). ``query_positions``:
-        ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
-        return self.bias_fn(self.positions[:, : self.visible], dtype, query_positions)
+        the mask is a function of positions, not of where they lie); with ``window``, only
+        those ``> p - window`` (a sliding window of ``window`` positions, the query's own
+        included). ``query_positions``: ``int64 [Q]``. Shape: broadcastable against ``[..., Q, S]``."""
+        return self.bias_fn(self.positions[:, : self.visible], dtype, query_positions, window)

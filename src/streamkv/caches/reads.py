@@ -23,8 +23,9 @@ class Reads:
     """Occupancy, reads and chronological views of one cache."""
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
-                 checks: InputChecks) -> None:
+                 checks: InputChecks, rope_at_read=None) -> None:
         self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
+        self.rope_at_read = rope_at_read
         # (generation, reads of it by (layer, occupancy)): a read changes only when the lifecycle
         # does, so the per-pass cost is a dict lookup (derived state: snapshots leave it out)
         self._memo: tuple[int, dict[tuple[int, str], KVRead]] = (-1, {})
@@ -84,7 +85,7 @@ class Reads:
             scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
             bias_fn=st.bias, name=f"{self.policy.name} cache layer {layer}",
             load=None if st.codes is None else partial(st.codes.load, layer),
-            generation=None if traced else lc.generation, lifecycle=None if traced else lc,
+            generation=None if traced else lc.generation, lifecycle=None if traced else lc, rope_at_read=self.rope_at_read,
         )
 
     def chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:

@@ -17,6 +17,11 @@ device, dtype``), methods and properties (``before_update``, ``update``,
   ``AssertionError``, which ``python -O`` strips) naming the original method
   (``before_update``, ``update``, ``after_update``), and leaves the cache unchanged.
 - ``(sink_size + window_size) % chunk_size`` need not be 0.
+- flashdreams' KV-cache-relative RoPE (raw keys rotated by their index in ``cached_k()``):
+  pass ``relative_rope_freqs=`` (its ``KVCacheRelativeRotaryPositionEmbedding3D.shift_t``
+  table) and ``interleaved=``; ``cached_k()`` then returns the ring's keys pre-rotated so that
+  flashdreams' own rotation places each at its chronological index, and ``write_end`` is
+  ``size`` after evictions too (:mod:`.cache_relative_rope`).
 - ``update`` accepts what the original's slice assignment accepts of dtypes and devices: K/V
   of another floating dtype are cast to the cache's, K/V on another device are copied over.
   It does not broadcast: K/V must have the chunk's exact shape (the original would broadcast
@@ -34,6 +39,7 @@ from torch import Tensor
 
 from ..caches import RingCache
 from ..storage import check_int
+from .cache_relative_rope import check_relative_freqs, rotate_full_width, slot_ranks
 
 __all__ = ["CircularBlockKVCache"]
 
@@ -63,6 +69,9 @@ class CircularBlockKVCache:
         sink_size: int = 0,
         device: torch.device | str = torch.device("cuda"),
         dtype: torch.dtype = torch.float16,
+        *,
+        relative_rope_freqs: Tensor | None = None,
+        interleaved: bool = True,
     ) -> None:
         chunk_size, window_size, sink_size = (check_int(n, x) for n, x in (
             ("chunk_size", chunk_size), ("window_size", window_size), ("sink_size", sink_size)))
@@ -82,6 +91,10 @@ class CircularBlockKVCache:
         self.device = self._ring.device
         self.dtype = dtype
         self._reopened = False  # the open chunk is a repeat of the committed one
+        # flashdreams' KV-cache-relative RoPE (:mod:`.cache_relative_rope`): raw keys, rotated by index on read
+        self.relative_rope_freqs = None if relative_rope_freqs is None else check_relative_freqs(
+            relative_rope_freqs, sink_size + window_size, self.k_shape[-1]).to(self.device)
+        self.interleaved = bool(interleaved)
 
     @classmethod
     def from_tensor(cls, k: Tensor, v: Tensor, seq_dim: int) -> CircularBlockKVCache:
@@ -136,8 +149,18 @@ class CircularBlockKVCache:
 
     # ----------------------------------------------------------- reading
     def cached_k(self) -> Tensor:
-        """Keys of the occupied slots in physical order (valid prefix while filling)."""
-        return self._ring.keys().narrow(self.seq_dim, 0, self._ring.num_valid)
+        """Keys of the occupied slots in physical order (valid prefix while filling). With
+        ``relative_rope_freqs``: a copy, slot ``s`` pre-rotated by ``freqs[rank(s)] - freqs[s]``
+        (:mod:`.cache_relative_rope`), so that flashdreams' rotation by index yields its rank's."""
+        n = self._ring.num_valid
+        keys = self._ring.keys().narrow(self.seq_dim, 0, n)
+        if self.relative_rope_freqs is None:
+            return keys
+        f = self.relative_rope_freqs
+        ranks = slot_ranks(self._ring.slot_positions[0, 0, :n])
+        delta = f.index_select(0, ranks) - f[:n]  # [n, 1, 1, D]
+        kt = keys.movedim(self.seq_dim, -3)  # [..., n, H, D]
+        return rotate_full_width(kt, delta, self.interleaved).movedim(-3, self.seq_dim)
 
     def cached_v(self) -> Tensor:
         """Values of the occupied slots in physical order (valid prefix while filling)."""
@@ -152,6 +175,8 @@ class CircularBlockKVCache:
     def write_end(self) -> int:
         """Right edge of the open chunk in the chronological layout (see module notes)."""
         chunk = self._require_open("write_end")
+        if self.relative_rope_freqs is not None:  # the current chunk's ranks end at size (cache-relative RoPE)
+            return self.size
         if self._ring.end > self._ring.layout.capacity:
             slots = self._ring.write_slots[0, 0].tolist()
             raise RuntimeError(

@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-toy": ("train_toy", "train the toy streaming video DiT on procedural clips (CPU); write its weights"),
     "video-eval": ("video_eval", "cache policies judged on the trained toy's video memory: frames, tracking, "
                    "re-entry, revisit, attention, oracle"),
+    "positions": ("positions", "position maps and RoPE at read: every map x cache x read path vs float64, one "
+                  "compiled graph, sliding-window LLMs, StreamingLLM, re-cache, cost, the toy 8x past its window"),
     "lm-eval": ("lm_eval", "caches on a real trained LM (SmolLM2-135M, Moby-Dick): perplexity and attention error at "
                 "matched KV memory vs the full cache and the per-query oracle"),
 }
@@ -53,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "nproc": 1, "repeats": 1,
           "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 0, "recall_slots": 1,
           "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "calls": 1, "steps": 1, "batch": 1, "clips": 1,
-          "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0}
+          "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0,
+          "long_clips": 1, "long_factor": 1, "position_factor": 1}
 #: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
 SEED_RANGE = (0, 2**32)
 #: options naming an output file, and options naming an output folder

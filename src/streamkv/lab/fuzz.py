@@ -73,6 +73,7 @@ class FuzzResult:
     seconds: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # the first few, for a human
+    positions: dict[str, Any] = field(default_factory=dict)  # the position-map hook (lab/fuzz_positions.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -362,8 +363,11 @@ def fuzz_layout(lay: Layout, rng: random.Random, res: FuzzResult, calls: int = 3
         f.check_storage()
 
 
-def run_fuzz(layouts: int, *, seed: int = 0, calls: int = 30, progress=None) -> FuzzResult:
-    """``layouts`` random layouts, each through ``calls`` random calls; see the module docstring."""
+def run_fuzz(layouts: int, *, seed: int = 0, calls: int = 30, progress=None, positions: int = 0) -> FuzzResult:
+    """``layouts`` random layouts, each through ``calls`` random calls; see the module docstring.
+    ``positions``: that many random position-map layouts too (raw keys rotated at read, every
+    map of the registry; :mod:`streamkv.lab.fuzz_positions`), their mismatches counted in
+    ``mismatches``."""
     rng = random.Random(seed)
     res = FuzzResult()
     t0 = time.perf_counter()
@@ -371,5 +375,11 @@ def run_fuzz(layouts: int, *, seed: int = 0, calls: int = 30, progress=None) -> 
         fuzz_layout(draw_layout(rng), rng, res, calls)
         if progress is not None:
             progress(i + 1)
+    if positions:
+        from streamkv.lab.fuzz_positions import fuzz_maps
+
+        res.positions = fuzz_maps(positions, random.Random(seed + 1))
+        res.mismatches += res.positions["mismatches"]
+        res.failures += res.positions["failures"]
     res.seconds = time.perf_counter() - t0
     return res

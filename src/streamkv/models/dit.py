@@ -15,7 +15,10 @@ Per chunk of latent frames ``[B, in_channels, F, latent_h, latent_w]``::
 Self-attention within the chunk is bidirectional; the chunk sees the cached sinks and
 window (the chunk itself included, as in Self-Forcing). With ``rope_mode="absolute"`` (the
 Wan recipe) keys are rotated at their stream positions before the write, so attention
-may read the cache in physical order. ``rope_mode="cache_relative"`` stores keys unrotated
+may read the cache in physical order -- unless the cache stores raw keys
+(``cache.rope_at_read``, :meth:`CausalVideoDiT.rope_at_read`): then the blocks write raw
+keys and every read rotates keys and queries by the cache's position map (frame axis only),
+in physical order, on any cache kind. ``rope_mode="cache_relative"`` stores keys unrotated
 and rotates them at read time by their index in the chronological view; that path
 must gather.
 
@@ -38,7 +41,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +124,11 @@ class Block(nn.Module):
         if cp is not None:  # Ulysses: token shard, all heads -> whole chunk, this rank's heads
             q, k, v = cp.tokens_to_heads(q, k, v)
         cos, sin = rope
-        if rope_mode == "absolute":
+        if rope_mode == "absolute" and getattr(getattr(kv, "cache", None), "rope_at_read", None) is not None:
+            # the cache stores raw keys and rotates keys and queries by its position map at read
+            read = _timed(timer, kv.update, k, v, q, occupancy=occupancy)
+            attn, _ = attend(q, read, order=order)
+        elif rope_mode == "absolute":
             q, k = Rope3D.rotate(q, cos, sin), Rope3D.rotate(k, cos, sin)
             read = _timed(timer, kv.update, k, v, q, occupancy=occupancy)
             attn, _ = attend(q, read, order=order)
@@ -309,6 +316,16 @@ class CausalVideoDiT(nn.Module):
         pos = torch.arange(chunk_idx * c, (chunk_idx + 1) * c, device=device)
         cos, sin = self.rope.cos_sin(pos, dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rope_at_read(self, maps: Any = "cache_relative") -> Any:
+        """A :class:`~streamkv.rope_at_read.RopeAtRead` for this model's 3D RoPE (the frame axis
+        re-indexed by ``maps``, height/width bands unchanged): pass it as ``rope_at_read=`` to a
+        cache (``CacheSet(kind, model.cache_spec(b).replace(rope_at_read=...))``) and the
+        blocks write raw keys and the cache rotates them at every read."""
+        from ..rope_at_read import RopeAtRead
+        from ..rotary import FrameRope
+
+        return RopeAtRead(FrameRope(self.rope), maps)
 
     def relative_rope(self, *, dtype: torch.dtype, device: torch.device) -> Callable[[int], tuple[Tensor, Tensor]]:
         """Tables for cache-relative RoPE: relative positions ``0..n-1``."""

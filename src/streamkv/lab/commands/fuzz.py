@@ -9,6 +9,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", type=int, default=1000, help="random layouts to run (default 1000)")
     p.add_argument("--calls", type=int, default=30, help="random calls per layout (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the layouts and calls (default 0)")
+    p.add_argument("--positions", type=int, default=0,
+                   help="random position-map layouts too (raw keys rotated at read, every registry map; default 0)")
     p.add_argument("--json", metavar="PATH", help="write the counts as JSON")
 
 
@@ -25,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     with threads(1), torch.no_grad(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("layouts", total=args.layouts)
         result = run_fuzz(args.layouts, seed=args.seed, calls=args.calls,
-                          progress=lambda i: progress.update(task, completed=i))
+                          progress=lambda i: progress.update(task, completed=i), positions=args.positions)
     data = result.to_json()
     for key in ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
                 "mismatches"):

@@ -44,6 +44,19 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     ok = all(result.identical[n] == result.comparisons for n in result.identical)
     console.print("every comparison identical" if ok else "[bold red]MISMATCH[/]: some views differ")
+    # positions: raw keys rotated at read by every registry map, every cache kind and read path (float64)
+    from streamkv.lab.env import threads
+    from streamkv.lab.experiments.positions import map_section
+
+    with threads(1), console.status("position maps") as status:
+        maps = map_section(lambda name: status.update(f"position maps: {name}"))["per_map"]
+    ptable = Table(title="position maps (raw keys, rotated at read) vs the float64 whole-history reference")
+    for col in ("map", "layouts", "comparisons", "max |diff| (fp64)", "recompiles"):
+        ptable.add_column(col, justify="left" if col == "map" else "right")
+    for name, r in maps.items():
+        ptable.add_row(name, str(r["layouts"]), str(r["comparisons"]), f"{r['max_abs_diff']:.1e}", str(r["recompiles"]))
+    console.print(ptable)
+    ok = ok and all(r["max_abs_diff"] < 1e-12 for r in maps.values())
     payload = {
         "layouts": result.layouts,
         "comparisons": result.comparisons,
@@ -54,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "versions": environment(),
         "per_layout": result.per_layout,
+        "positions": {name: {k: r[k] for k in ("layouts", "comparisons", "max_abs_diff", "recompiles", "kinds")}
+                      for name, r in maps.items()},
     }
     write_json(args.json, payload)
     if args.json:

@@ -16,6 +16,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacities", type=int, nargs="+", default=list(d.capacities),
                    help=f"cache memory in frames, sink included (default {' '.join(map(str, d.capacities))})")
     p.add_argument("--tau", type=float, default=d.tau, help=f"mass budget of the 'mass' cache (default {d.tau})")
+    p.add_argument("--position-clips", type=int, default=1,
+                   help="clips streamed --position-factor x the training window under every position map (0: skip; "
+                        "default 1)")
+    p.add_argument("--position-factor", type=int, default=d.position_factor,
+                   help=f"length of those streams in training windows (default {d.position_factor})")
     p.add_argument("--weights", default=None, help="weights (default: the packaged toy weights)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", default="out/video_eval.json", help="result JSON (default out/video_eval.json)")
@@ -36,7 +41,7 @@ def check(args: argparse.Namespace):
     weights = args.weights or WEIGHTS
     horizon = _horizon(weights)
     cfg = EvalConfig(clips=args.clips, frames=args.frames, capacities=tuple(args.capacities), tau=args.tau,
-                     horizon=horizon)
+                     horizon=horizon, position_clips=args.position_clips, position_factor=args.position_factor)
     if not (isinstance(args.tau, float) and math.isfinite(args.tau) and 0 < args.tau < 1):
         raise ValueError(f"--tau must be in the open interval (0, 1), got {args.tau}")
     top = toy_config().max_frames

@@ -63,6 +63,8 @@ class EvalConfig:
     noise_seed: int = 0
     min_reentry_gap: int = 2
     min_revisit_gap: int = 4
+    position_clips: int = 0  # clips streamed position_factor x the training window under every position map
+    position_factor: int = 8
 
     def run_kinds(self) -> tuple[str, ...]:
         """The kinds compared (the default: :func:`~streamkv.lab.kinds.compared_kinds`)."""
@@ -73,5 +75,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.clips < 1 or self.frames % 2 or self.frames <= CONTEXT_FRAMES:
             raise ValueError(f"clips >= 1 and an even frames > {CONTEXT_FRAMES} needed, got {self.clips}, {self.frames}")
+        if self.position_clips < 0 or self.position_factor < 1:
+            raise ValueError(f"position_clips >= 0 and position_factor >= 1 needed, got {self.position_clips}, "
+                             f"{self.position_factor}")
         if not self.capacities or any(c < 4 or c % 2 for c in self.capacities):
             raise ValueError(f"capacities must be even frame counts >= 4, got {self.capacities}")

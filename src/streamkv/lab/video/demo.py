@@ -5,12 +5,14 @@ the same memory, beside the full-history rollout and the ground truth.
 Outputs (in the demo's folder):
 
 ``demo.gif``        ground truth | ring stream (the toy's own cache: sinks + window)
-``demo_panel.gif``  ground truth | full history | ring | window (no sinks) | mass | H2O | TOVA,
-                    every cache at the ring's memory
+``demo_panel.gif``  ground truth | full history | ring | window (no sinks) | mass | H2O | TOVA, and
+                    the ring holding raw keys rotated at read by the position maps the registry
+                    marks for the panel (``sliding_sinks``, ``block_relative``), every cache at the
+                    ring's memory; under each tile its error against the ground truth, per frame
 ``demo_panel.png``  the same streams as a contact sheet (every 4th frame)
 ``demo_video.json`` per stream: mean error against the full-history stream and against the
-                    ground truth (within / past the training window), sprites tracked; the
-                    ring vs chronological difference; wall time
+                    ground truth (within / past the training window) and per frame, sprites
+                    tracked; the ring vs chronological difference; wall time
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from streamkv.positions import POSITION_MAPS
+
 from . import data, metrics
+from .positions import stream_map
 from .render import contact_sheet, tile_frames, write_gif
 from .runs import cache_run_spec, run_stream
 from .toy import CONTEXT_FRAMES, WEIGHTS, load_model, training_horizon
@@ -59,10 +64,18 @@ def video_demo(out: str | Path, *, frames: int = 64, clip: int = 0, weights: str
         latents[kind] = lat
         if kind != "chronological":
             streams[label if kind == "full" else f"{label} ({capacity}f)"] = data.to_rgb(lat[0])
+    for name in (n for n, mk in POSITION_MAPS.items() if mk.panel):
+        if progress is not None:
+            progress(f"ring, {name} at read")
+        lat = stream_map(model, name, ctx, frames, seed=0, sink_frames=model.cfg.sink_frames,
+                         window_frames=model.cfg.window_frames)
+        streams[f"{name} ({capacity}f)"] = data.to_rgb(lat[0])
     ring_label = f"ring ({capacity}f)"
+    err_gt = {label: np.abs(x - rgb).mean((1, 2, 3)) for label, x in streams.items()}
     write_gif(tile_frames({"ground truth": rgb, ring_label: streams[ring_label]}, scale=12, horizon=horizon,
                           context=CONTEXT_FRAMES), out / "demo.gif")
-    write_gif(tile_frames(streams, scale=8, horizon=horizon, context=CONTEXT_FRAMES), out / "demo_panel.gif")
+    write_gif(tile_frames(streams, scale=8, horizon=horizon, context=CONTEXT_FRAMES, errors=err_gt),
+              out / "demo_panel.gif")
     contact_sheet(streams, out / "demo_panel.png")
     full = streams["full history"]
     gen_in, gen_out = slice(CONTEXT_FRAMES, min(horizon, frames)), slice(horizon, frames)
@@ -76,6 +89,7 @@ def video_demo(out: str | Path, *, frames: int = 64, clip: int = 0, weights: str
             "err_vs_gt_horizon": _mean(eg[gen_in]), "err_vs_gt_beyond": _mean(eg[gen_out]),
             "tracking_horizon": metrics.tracking(frames_rgb, truth, range(gen_in.start, gen_in.stop)),
             "tracking_beyond": metrics.tracking(frames_rgb, truth, range(horizon, frames)),
+            "err_vs_full_per_frame": ef.tolist(), "err_vs_gt_per_frame": eg.tolist(),
         }
     return {
         "clip": {"seed": DEMO_SEED, "index": clip, "frames": frames, "context_frames": CONTEXT_FRAMES,

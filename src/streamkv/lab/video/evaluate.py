@@ -10,7 +10,10 @@ generated through (see :mod:`.runs`):
   :class:`~streamkv.lab.budget.recorder.Recorder`);
 - every streaming kind at every capacity (matched memory), each with a ``Recorder`` (the
   full-history attention mass its resident set held, on its own stream);
-- the chronological path at the first capacity (its frames must equal the ring's).
+- the chronological path at the first capacity (its frames must equal the ring's);
+- with ``position_clips``: the ring at the toy's own memory, raw keys rotated at read by every
+  position map, ``position_factor`` times the training window long (:mod:`.positions`): error
+  per frame against the ground truth and the full-history stream (``position_maps``).
 
 Per (kind, capacity): the error of each streamed frame against the full-history stream and
 against the ground truth (mean absolute RGB error in ``[0, 1]``), and the task metrics of
@@ -152,6 +155,13 @@ def evaluate(model: CausalVideoDiT, cfg: EvalConfig, progress: Callable[[str], N
             if spec.kind == "ring" and spec.capacity_frames == chrono.capacity_frames:
                 c_lat, _, _ = run_stream(model, chrono, ctx, cfg.frames, **kw)
                 chrono_diff = max(chrono_diff, float((c_lat - lat).abs().max()))
+    positions = None
+    if cfg.position_clips:  # every position map, position_factor x the training window (lab/video/positions.py)
+        from .positions import long_stream
+
+        positions = long_stream(model, horizon=cfg.horizon, factor=cfg.position_factor, clips=cfg.position_clips,
+                                data_seed=cfg.data_seed, noise_seed=cfg.noise_seed,
+                                progress=None if progress is None else (lambda w: progress(f"position maps {w}")))
     caches: dict[str, dict] = {}
     for s in specs:
         caches.setdefault(s.kind, {})[str(s.capacity_frames)] = accs[s.label].summary(cfg, s.capacity_frames)
@@ -166,6 +176,7 @@ def evaluate(model: CausalVideoDiT, cfg: EvalConfig, progress: Callable[[str], N
         "chronological_vs_ring_max_abs_diff": {"capacity_frames": chrono.capacity_frames, "value": chrono_diff},
         "attention_full_history": _profile_json(profile),
         "oracle_per_query_mass": _merge_oracle(oracle_rows),
+        **({"position_maps": positions} if positions is not None else {}),
         "wall_s": time.perf_counter() - t0,
     }
 

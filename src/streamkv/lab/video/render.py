@@ -23,10 +23,11 @@ def _u8(rgb: np.ndarray, scale: int) -> np.ndarray:
 
 
 def tile_frames(streams: Mapping[str, np.ndarray], *, scale: int = 8, horizon: int | None = None,
-                context: int = 0) -> list:
+                context: int = 0, errors: Mapping[str, np.ndarray] | None = None) -> list:
     """One PIL image per frame: the streams side by side, each under its label, with the
     frame number and a note when the frame is ground truth (``t < context``) or past the
-    training ``horizon``. Every stream must have the same number of frames."""
+    training ``horizon``. Every stream must have the same number of frames. ``errors``: per
+    stream, a number per frame (e.g. the error against the ground truth) printed under its tile."""
     from PIL import Image, ImageDraw
 
     names = list(streams)
@@ -37,7 +38,7 @@ def tile_frames(streams: Mapping[str, np.ndarray], *, scale: int = 8, horizon: i
     h, w = streams[names[0]].shape[1:3]
     tw, th = w * scale, h * scale
     width = len(names) * (tw + _BORDER) + _BORDER
-    height = th + 2 * _LABEL_H + _BORDER
+    height = th + (3 if errors else 2) * _LABEL_H + _BORDER
     out = []
     for t in range(t_total):
         canvas = Image.new("RGB", (width, height), (24, 24, 24))
@@ -46,8 +47,11 @@ def tile_frames(streams: Mapping[str, np.ndarray], *, scale: int = 8, horizon: i
             x = _BORDER + i * (tw + _BORDER)
             canvas.paste(Image.fromarray(_u8(streams[name][t], scale)), (x, _LABEL_H))
             draw.text((x + 2, 1), name[: max(4, tw // 6)], fill=(235, 235, 235))
+            if errors and name in errors:
+                draw.text((x + 2, _LABEL_H + th + 2), f"err {float(errors[name][t]):.3f}", fill=(150, 200, 235))
         note = "ground truth context" if t < context else ("past training window" if horizon and t >= horizon else "")
-        draw.text((_BORDER + 2, _LABEL_H + th + 2), f"frame {t:3d}  {note}", fill=(200, 200, 120))
+        y_note = _LABEL_H + th + 2 + (_LABEL_H if errors else 0)
+        draw.text((_BORDER + 2, y_note), f"frame {t:3d}  {note}", fill=(200, 200, 120))
         out.append(canvas)
     return out
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from streamkv.lab.plotting import pyplot, save
 
-__all__ = ["print_eval", "plot_eval"]
+__all__ = ["print_eval", "plot_eval", "print_position_maps"]
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -65,6 +65,23 @@ def print_eval(console: Any, result: dict) -> None:
         fits = ", ".join(f"{c}f {v:.2f}" for c, v in o["fits_capacity"].items())
         console.print(f"per-query oracle tau={tau}: {o['tokens_mean']:.0f} tokens mean (p95 {o['tokens_p95']:.0f}); "
                       f"fits in: {fits}")
+    if "position_maps" in result:
+        print_position_maps(console, result["position_maps"])
+
+
+def print_position_maps(console: Any, pm: dict) -> None:
+    """The ``position_maps`` section: per map, mean |RGB| error within / past the training window."""
+    from rich.table import Table
+
+    t = Table(title=f"position maps: {pm['frames']} frames = {pm['factor']}x the {pm['training_window']}-frame "
+                    f"training window, {pm['capacity_frames']} frames of cache, {pm['clips']} clip(s)")
+    for col in ("stream", "vs truth < H", "vs truth >= H", "vs full history >= H", "vs truth, last 1/4"):
+        t.add_column(col, justify="left" if col == "stream" else "right")
+    for name, r in pm["per_map"].items():
+        vt, vf = r["vs_truth"], r["vs_full_history"]
+        t.add_row(name, _f(vt["horizon_mean"], ".4f"), _f(vt["beyond_mean"], ".4f"), _f(vf["beyond_mean"], ".4f"),
+                  _f(vt["last_quarter_mean"], ".4f"))
+    console.print(t)
 
 
 def plot_eval(result: dict, path: str | Path) -> Path:

@@ -1,0 +1,257 @@
+"""RoPE at read: a cache that stores raw (un-rotated) keys, and rotates keys and queries by a
+position map at every read, inside the block-wise attention.
+
+::
+
+    rope = RopeAtRead(Rope1D(64), "cache_relative")              # or FrameRope(model.rope), a PositionMap, a list
+    cache = RingCache(k_shape, v_shape, seq_dim=1, sink=4, window=60, chunk=16, rope_at_read=rope)
+    read = cache.layer(0).update(k_raw, v, q_raw)                # keys written as they come, un-rotated
+    out, info = attend(q_raw, read)                              # queries and keys rotated here
+
+What a read does (:meth:`RopeAtRead.plan`, on the device, no synchronisation):
+
+1. the held slot positions ``[H, S]`` and the open span's positions become units
+   (:meth:`~streamkv.rotary.Rotary.units`), the map gives every held key's and every query's
+   rotation unit (:mod:`streamkv.positions`), and both are taken relative to the first query's
+   (an exact integer shift: RoPE attention depends on differences only, and small offsets keep
+   the angles exact -- :mod:`streamkv.rotary`);
+2. the queries are rotated once (``Q x D``);
+3. the keys are rotated a block of slots at a time as :func:`~streamkv.attention.attend` reads
+   them (``KVRead.load``): transient memory is one block's keys and tables, never a rotated copy
+   of the history. A read whose keys already need materialising per block (a quantised
+   store's ``load``) is loaded first, then rotated.
+
+Where it is exact: every cache kind (per-head positions included: each head's own map), every
+occupancy, masks, causal and window masks (by stream position, unchanged), grouped-query
+attention (a key head's rotation serves its query heads), the chronological path (the gathered
+keys rotated at their positions' map values). Refused, with the reason: a read with no open
+span (the queries' positions are unknown), ``rope_mode="cache_relative"`` on top (two
+rotations), a map whose horizon is shorter than the cache (``block_relative``), a sink that is
+not whole units (Wan: frames), a RopeAtRead bound to caches of two sink sizes or devices.
+
+Several maps (``RopeAtRead(rotary, ["absolute", "sliding_sinks"])``) are all evaluated at every
+read and one is selected by a device index (:meth:`use`): switching maps, or changing a map's
+dynamic parameters, is a device write -- one compiled graph, one captured CUDA graph, for all.
+
+Why this long: the scope of rotation at read (what is rotated where, and its rounding) is stated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .positions import MapInputs, PositionMap, position_map
+from .rotary import Rotary
+
+__all__ = ["RopeAtRead", "RotationPlan", "units_capacity"]
+
+
+def units_capacity(capacity: int, per_head: bool, tokens_per_unit: int) -> int:
+    """The most distinct units a cache of ``capacity`` slots can hold: any token on a unit of
+    its own for per-head caches; whole units (plus a split one at each end) for window caches."""
+    if per_head or tokens_per_unit == 1:
+        return capacity
+    return -(-capacity // tokens_per_unit) + (1 if capacity % tokens_per_unit else 0)
+
+
+class RopeAtRead:
+    """Raw keys in the cache, rotation by a position map at read (see the module docstring).
+
+    Args:
+        rotary: :class:`~streamkv.rotary.Rope1D` or :class:`~streamkv.rotary.FrameRope`.
+        maps: a map name of :data:`~streamkv.positions.POSITION_MAPS`, a
+            :class:`~streamkv.positions.PositionMap` (:func:`~streamkv.positions.position_map`
+            with parameters), or a sequence of them (the first is in use; :meth:`use` switches).
+    """
+
+    def __init__(self, rotary: Rotary, maps: str | PositionMap | Sequence[str | PositionMap] = "cache_relative", *,
+                 block: int = 16384, rows: int = 2048) -> None:
+        for name, val in (("block", block), ("rows", rows)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        #: slots per key block of the attention (at least; attend's ``block`` if larger), and slots
+        #: rotated at a time inside a block (the transient float32 work stays ``rows`` wide)
+        self.block, self.rows = block, rows
+        if not isinstance(rotary, Rotary):
+            raise TypeError(f"rotary must be a streamkv Rotary (Rope1D, FrameRope), got {type(rotary).__name__}")
+        seq = [maps] if isinstance(maps, (str, PositionMap)) else list(maps)
+        if not seq:
+            raise ValueError("RopeAtRead needs at least one position map")
+        self.maps = [position_map(m) for m in seq]
+        names = [m.name if m.name != "custom" else f"custom{i}" for i, m in enumerate(self.maps)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"the maps of one RopeAtRead must differ, got {names}")
+        self.names = names
+        self.rotary = rotary
+        self._device_rotary: Rotary | None = None
+        self.device: torch.device | None = None
+        self.sink_units: int | None = None
+        self._selected = torch.zeros((), dtype=torch.long)
+        self._host_selected = 0
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device) -> None:
+        """Check a cache and bind to its device (caches call this at construction).
+
+        Raises:
+            ValueError: the cache's feature size is not the rotary's ``head_dim``; a sink that is
+                not whole units; a map whose horizon is shorter than the cache; another device or
+                sink than a cache this RopeAtRead already serves.
+        """
+        tpu = self.rotary.tokens_per_unit
+        if head_dim_size != self.rotary.head_dim:
+            raise ValueError(f"the cache's keys have {head_dim_size} features and the rotary rotates "
+                             f"{self.rotary.head_dim}: build the rotary for this head size")
+        if sink % tpu:
+            raise ValueError(f"sink={sink} tokens is not a whole number of position-map units ({tpu} tokens each, "
+                             f"e.g. latent frames): the sinks' units would be split")
+        for m in self.maps:
+            m.check_capacity(units_capacity(capacity, per_head, tpu))
+        if self.device is not None and (self.device != device or self.sink_units != sink // tpu):
+            raise ValueError(f"this RopeAtRead serves caches on {self.device} with sink {self.sink_units} units; a "
+                             f"cache on {device} with sink {sink // tpu} units needs its own")
+        if device.type == "meta":  # a probe (CacheSet validates on meta first): checks only
+            return
+        if self.device is None:
+            for m in self.maps:
+                m.bind(device)
+            self._selected = self._selected.to(device)
+            self._device_rotary = self.rotary.to(device)
+            self.device, self.sink_units = device, sink // tpu
+
+    def use(self, map_name: str | int) -> None:
+        """Select the map in use by name or index (a device write: recompiles nothing, captured
+        graphs read it on replay). Raises ``ValueError`` for a map this RopeAtRead does not hold."""
+        if isinstance(map_name, int) and not isinstance(map_name, bool):
+            idx = map_name
+        elif map_name in self.names:
+            idx = self.names.index(map_name)
+        else:
+            raise ValueError(f"this RopeAtRead holds the maps {self.names}, not {map_name!r}")
+        if not 0 <= idx < len(self.maps):
+            raise ValueError(f"map index must be in [0, {len(self.maps)}), got {idx}")
+        self._selected.fill_(idx)
+        self._host_selected = idx
+
+    @property
+    def current(self) -> PositionMap:
+        """The map in use (from the host's record of :meth:`use`)."""
+        return self.maps[self._host_selected]
+
+    def map(self, name: str) -> PositionMap:
+        """The held map ``name`` (to :meth:`~streamkv.positions.PositionMap.set` its parameters)."""
+        if name not in self.names:
+            raise ValueError(f"this RopeAtRead holds the maps {self.names}, not {name!r}")
+        return self.maps[self.names.index(name)]
+
+    # ------------------------------------------------------------------ evaluation
+    def rotation_units(self, positions: Tensor, query_positions: Tensor, extra: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(keys [H, S], queries [H, Q], extra)`` rotation offsets (relative to the first
+        query) for held slot ``positions [H, S]`` and the span's ``query_positions [Q]``;
+        ``extra`` (positions ``[H, N]``, e.g. the chronological order) mapped alike."""
+        rot = self._device_rotary
+        if rot is None:
+            raise RuntimeError("RopeAtRead is not bound to a cache (pass it as rope_at_read= to a cache)")
+        units = rot.units(positions)
+        H = units.shape[0]
+        q_units = rot.units(query_positions).view(1, -1).expand(H, -1)
+        inp = MapInputs(units, q_units[:, :1], self.sink_units)
+        todo = [units, q_units] + ([rot.units(extra)] if extra is not None else [])
+        outs = []
+        for u in todo:
+            vals = [m(inp, u) for m in self.maps]
+            if len(vals) == 1:
+                outs.append(vals[0])
+            else:
+                dt = torch.float64 if any(v.dtype.is_floating_point for v in vals) else torch.long
+                outs.append(torch.stack([v.to(dt) for v in vals]).index_select(0, self._selected.view(1))[0])
+        origin = outs[1][:, :1]
+        res = [o - origin for o in outs]
+        return res[0], res[1], (res[2] if extra is not None else None)
+
+    def plan(self, read: Any) -> RotationPlan:
+        """The rotation of one read (a :class:`~streamkv.caches.KVRead`)."""
+        if read.query_positions is None:
+            raise ValueError(f"{read.name}: rotation at read needs the queries' positions, and no span is open "
+                             f"(begin_chunk / begin_tokens, then update, then attend)")
+        keys, queries, _ = self.rotation_units(read.positions, read.query_positions)
+        return RotationPlan(self, read, keys, queries)
+
+
+class RotationPlan:
+    """One read's rotation: queries rotated once, keys a block at a time."""
+
+    def __init__(self, rope: RopeAtRead, read: Any, key_units: Tensor, query_units: Tensor) -> None:
+        self.rope, self.read = rope, read
+        self.key_units, self.query_units = key_units, query_units
+
+    def _tables(self, delta: Tensor, positions: Tensor, dtype: torch.dtype, heads_axis: int | None, lead: int,
+                groups: int = 1) -> tuple[Tensor, Tensor]:
+        """cos/sin ``[H, N, D/2]`` arranged to broadcast against ``[*lead, N, D]`` with heads at
+        ``heads_axis`` (repeated ``groups`` times for grouped queries)."""
+        cos, sin = self.rope._device_rotary.cos_sin(delta, positions, dtype)
+        if groups > 1:
+            cos, sin = cos.repeat_interleave(groups, 0), sin.repeat_interleave(groups, 0)
+        shape = [1] * lead + list(cos.shape[-2:])
+        if heads_axis is None:
+            return cos[0].view(shape), sin[0].view(shape)
+        shape[heads_axis] = cos.shape[0]
+        return cos.view(shape), sin.view(shape)
+
+    def queries(self, qt: Tensor) -> Tensor:
+        """``qt [..., Q, D]`` (attention layout, before grouped-query folding) rotated, in its dtype."""
+        read = self.read
+        lead = qt.dim() - 2
+        hk = self.query_units.shape[0]
+        groups = 1 if read.head_axis is None else qt.shape[read.head_axis] // hk
+        qpos = read.query_positions.view(1, -1).expand(hk, -1)
+        acc = torch.promote_types(qt.dtype, torch.float32)
+        cos, sin = self._tables(self.query_units, qpos, acc, read.head_axis, lead, groups)
+        return self.rope.rotary.rotate(qt.to(acc), cos, sin).to(qt.dtype)
+
+    def keys(self, kt: Tensor, a: int, b: int) -> Tensor:
+        """Keys of slots ``[a, b)`` in attention layout ``[..., b - a, D]``, rotated (same dtype),
+        ``rows`` slots at a time into one block-sized buffer (the float32 work stays that wide)."""
+        read = self.read
+        acc = torch.promote_types(kt.dtype, torch.float32)
+        rows = self.rope.rows
+        if b - a <= rows:
+            cos, sin = self._tables(self.key_units[:, a:b], read.positions[:, a:b], acc, read.head_axis, kt.dim() - 2)
+            return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
+        out = torch.empty_like(kt)
+        for lo in range(0, b - a, rows):
+            hi = min(lo + rows, b - a)
+            cos, sin = self._tables(self.key_units[:, a + lo:a + hi], read.positions[:, a + lo:a + hi], acc,
+                                    read.head_axis, kt.dim() - 2)
+            out[..., lo:hi, :] = self.rope.rotary.rotate(kt[..., lo:hi, :].to(acc), cos, sin)
+        return out
+
+    def load(self, inner: Any) -> Any:
+        """A ``KVRead.load`` that rotates what ``inner`` (or the physical buffers) give."""
+        read = self.read
+        seq = read.seq_dim
+
+        def load(a: int, b: int) -> tuple[Tensor, Tensor]:
+            if inner is None:
+                k, v = read.keys.narrow(seq, a, b - a), read.values.narrow(seq, a, b - a)
+            else:
+                k, v = inner(a, b)
+            return self.keys(k.movedim(seq, -2), a, b).movedim(-2, seq), v
+
+        return load
+
+    def chronological_keys(self, kt: Tensor, positions: list[int]) -> Tensor:
+        """Gathered keys ``[..., L, D]`` (attention layout) at host ``positions`` (chronological
+        order, shared by every head), rotated by the same map values as in physical order."""
+        read = self.read
+        pos = torch.tensor(positions, dtype=torch.long, device=kt.device).view(1, -1)
+        pos = pos.expand(read.positions.shape[0], -1)
+        _, _, extra = self.rope.rotation_units(read.positions, read.query_positions, pos)
+        acc = torch.promote_types(kt.dtype, torch.float32)
+        cos, sin = self._tables(extra, pos, acc, read.head_axis, kt.dim() - 2)
+        return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)

@@ -1,0 +1,323 @@
+"""Position maps and RoPE at read: every map of the registry x every cache kind x read path
+against a float64 whole-history reference that rotates raw keys by the map's host reference;
+the equalities the sources claim; one compiled graph across fills, wraps and map changes;
+positions far past 2**40; exact angles; and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from streamkv import RingCache
+from streamkv.attention import attend
+from streamkv.lab.experiments.positions_check import (
+    MapLayout,
+    large_positions,
+    default_map_layouts,
+    ring_vs_chronological,
+    run_map_layout,
+    wrong_map_is_caught,
+)
+from streamkv.positions import POSITION_MAPS, position_map
+from streamkv.rope import Rope3D
+from streamkv.rope_at_read import RopeAtRead
+from streamkv.rotary import _PI, ANGLE_ERROR, FrameRope, Rope1D, exact_angles, limb_residues
+from streamkv.scoring import blockwise_attention, key_blockwise_attention
+
+FP64 = 1e-12
+LAYOUTS = default_map_layouts()
+
+
+def test_the_layouts_cover_the_registry_and_every_kind():
+    from streamkv.caches import CACHE_KINDS
+
+    assert {lay.map for lay in LAYOUTS} == set(POSITION_MAPS)
+    assert {(lay.map, lay.kind) for lay in LAYOUTS} == {(m, k) for m in POSITION_MAPS for k in CACHE_KINDS}
+    for flag in ("causal", "spans", "occupancy", "groups", "rotary", "window_mask", "cut_at", "seq_dim"):
+        assert len({getattr(lay, flag) for lay in LAYOUTS}) > 1, flag
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
+def test_every_map_kind_and_read_path_equals_the_whole_history_reference(lay):
+    res = run_map_layout(lay)
+    assert res.comparisons >= lay.chunks
+    assert res.max_abs_diff < FP64, res
+
+
+@pytest.mark.parametrize("kind", ["ring", "tova"])
+def test_small_key_blocks_and_row_pieces_change_nothing(kind):
+    """Keys read in blocks of 4 slots, rotated 3 rows at a time (the paths a large cache takes)."""
+    for lay in (MapLayout(map="sliding_sinks", kind=kind, causal=True, groups=2, seed=11),
+                MapLayout(map="block_relative", kind=kind, rotary="frame", occupancy="mask", cut_at=3, seed=12)):
+        res = run_map_layout(lay, rope_kwargs={"block": 4, "rows": 3})
+        assert res.max_abs_diff < FP64, res
+
+
+def test_scored_kinds_were_read_with_ragged_heads():
+    rows = [run_map_layout(lay) for lay in LAYOUTS if lay.map == "cache_relative" and lay.kind in ("mass", "h2o", "tova")]
+    assert all(r.ragged_reads > 0 for r in rows)
+
+
+def test_a_deliberately_wrong_map_is_caught():
+    assert wrong_map_is_caught() > 1e-2
+
+
+def test_the_ring_under_cache_relative_equals_the_chronological_path():
+    res = ring_vs_chronological()
+    assert res["comparisons"] == 9 and res["max_abs_diff"] < FP64
+
+
+@pytest.mark.parametrize("kind", ["ring", "tova"])
+def test_equal_rules_are_equal_and_the_others_differ(kind):
+    """streaming_llm = cache_relative everywhere; on a window (no holes) sliding_sinks and
+    block_relative (either anchor) are cache_relative up to a shift; with holes (scored
+    caches) sliding_sinks keeps them and differs."""
+    base = dict(kind=kind, sink=2, window=8, chunk=2, chunks=10)
+    cr = position_map("cache_relative")
+
+    def vs_cache_relative(name, **params):
+        lay = MapLayout(map=name, params=tuple(params.items()), **base)
+        pmap = position_map(name, **({"horizon": 10} if name == "block_relative" else {}), **params)
+        return run_map_layout(lay, pmap_override=pmap, reference_map=cr).max_abs_diff
+
+    assert vs_cache_relative("streaming_llm") < FP64
+    assert vs_cache_relative("block_relative") < FP64
+    assert vs_cache_relative("block_relative", anchor="end") < FP64
+    if kind == "ring":
+        assert vs_cache_relative("sliding_sinks") < FP64
+        assert vs_cache_relative("absolute") > 1e-3  # the ring past its window: absolute is not relative
+    else:
+        assert vs_cache_relative("sliding_sinks") > 1e-3
+
+
+# ---------------------------------------------------------------------- large positions
+def _stream_read(pmap_name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    rot = Rope1D(8, theta=100.0)
+    params = POSITION_MAPS[pmap_name].for_geometry(2, 10, 3)
+    rope = RopeAtRead(rot, position_map(pmap_name, **params))
+    c = RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=3, dtype=torch.float64,
+                  rope_at_read=rope)
+    for i in range(5):
+        c.begin_chunk(i)
+        q, k, v = (torch.randn(1, 3, 2, 8, dtype=torch.float64) for _ in range(3))
+        read = c.layer(0).update(k, v)
+        if i < 4:
+            c.commit_chunk(i)
+    return c, read, q, rot
+
+
+SHIFT = 1 << 40
+
+
+def _far(read, shift=SHIFT):
+    """The same read with every non-sink position ``shift`` later (a stream 2**40 tokens on)."""
+    pos = torch.where(read.positions >= 2, read.positions + shift, read.positions)
+    return dataclasses.replace(read, positions=pos, query_positions=read.query_positions + shift)
+
+
+@pytest.mark.parametrize("name", [m for m, k in POSITION_MAPS.items() if k.bounded])
+def test_bounded_maps_are_exact_2_pow_40_tokens_on(name):
+    _, read, q, _ = _stream_read(name)
+    near, _ = attend(q, read)
+    far, _ = attend(q, _far(read))
+    assert torch.equal(near, far)
+
+
+def test_absolute_at_2_pow_40_is_within_the_stated_angle_error():
+    """Under ``absolute`` the sinks sit 2**40 positions before the queries; their angles are
+    exact to ANGLE_ERROR (limbs), where the naive float64 product is off by ~1e-4 rad."""
+    freqs = Rope1D(8, theta=100.0).freqs
+    res = limb_residues(freqs)
+    deltas = [-(SHIFT + 5), -SHIFT, SHIFT + 12345, (1 << 52) + 7, -(1 << 36) - 1, 1 << 18, 17, -3]
+    got = exact_angles(torch.tensor(deltas), freqs, res)
+    two_pi = 2 * _PI
+    worst_naive = 0.0
+    for i, d in enumerate(deltas):
+        for j, f in enumerate(freqs.tolist()):
+            exact = Fraction(d) * Fraction(f)
+            exact -= two_pi * math.floor(exact / two_pi)
+            err = abs(math.remainder(got[i, j].item() - float(exact), 2 * math.pi))
+            assert err <= ANGLE_ERROR, (d, f, err)
+            naive = abs(math.remainder(d * f - float(exact), 2 * math.pi))
+            worst_naive = max(worst_naive, naive)
+    assert worst_naive > 1e-6  # what the limbs avoid
+    small = torch.arange(-300, 300)
+    assert torch.equal(exact_angles(small, freqs, res), small.double().unsqueeze(-1) * freqs)  # = the naive product
+
+    res = large_positions()
+    assert res["absolute_vs_exact_angles"] < 1e-8, res  # measured 1.6e-15
+    assert res["float64_rope_at_write_vs_exact"] > 1e-7, res  # measured 1.1e-5: what the limbs avoid
+    assert res["bounded"] == {m: 0.0 for m, k in POSITION_MAPS.items() if k.bounded}
+
+
+# ---------------------------------------------------------------------- Wan's 3D RoPE
+def test_frame_rope_reindexes_the_frame_band_only():
+    rope3d = Rope3D(24, 2, 3, max_frames=64)
+    fr = FrameRope(rope3d)
+    pos = torch.arange(0, 30)
+    a = fr.angles(torch.zeros(30, dtype=torch.long), pos)
+    b = fr.angles(torch.full((30,), 7, dtype=torch.long), pos)
+    t = rope3d.bands[0] // 2
+    assert torch.equal(a[:, t:], b[:, t:]) and not torch.equal(a[:, :t], b[:, :t])
+    frames = pos // fr.tokens_per_unit  # absolute: the same angles as Rope3D at write
+    assert torch.allclose(fr.angles(frames, pos), rope3d.angles(pos), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- the fused kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_key_blocks_equal_the_row_kernel_with_hidden_blocks(dtype):
+    g = torch.Generator().manual_seed(3)
+    B, H, Q, S, D = 2, 3, 5, 12, 4
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for n in (Q, S, S))
+    hide = torch.rand(1, H, Q, S, generator=g) < 0.5
+    hide[..., 0, :8] = True  # whole blocks hidden for a row
+    hide[..., :, -1] = False
+    bias = torch.zeros(hide.shape, dtype=dtype).masked_fill(hide, -math.inf)
+
+    def blocks():
+        for a in range(0, S, 4):
+            yield k[..., a:a + 4, :], v[..., a:a + 4, :], bias[..., a:a + 4]
+
+    ref = blockwise_attention(q, k, v, bias, scale=0.5, lse=True)
+    got = key_blockwise_attention(q, blocks, scale=0.5, lse=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(got.out, ref.out, atol=tol, rtol=tol) and torch.allclose(got.lse, ref.lse, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------- refusals
+def test_a_map_that_reads_values_on_the_host_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="not traceable.*meta"):
+        position_map("custom", fn=lambda inp, u: u + int(inp.held.max()))
+    with pytest.raises(ValueError, match="not traceable"):
+        position_map("custom", fn=lambda inp, u: u if bool((u > 3).any()) else u + 1)
+    with pytest.raises(ValueError, match="shaped like its units"):
+        position_map("custom", fn=lambda inp, u: u.sum())
+    with pytest.raises(TypeError, match="callable"):
+        position_map("custom", fn=3)
+    ok = position_map("custom", fn=lambda inp, u: inp.rank(u) * 2)
+    assert ok.name == "custom"
+
+
+def test_bad_maps_and_parameters_are_refused():
+    with pytest.raises(ValueError, match="unknown position map"):
+        position_map("nope")
+    with pytest.raises(ValueError, match="needs \\['horizon'\\]"):
+        position_map("block_relative")
+    with pytest.raises(ValueError, match="takes"):
+        position_map("absolute", horizon=3)
+    with pytest.raises(TypeError, match="must be an int"):
+        position_map("block_relative", horizon=4.0)
+    with pytest.raises(ValueError, match="choose one"):
+        position_map("block_relative", horizon=4, anchor="end", cut=45)
+
+
+def test_a_horizon_shorter_than_the_cache_is_refused():
+    rope = RopeAtRead(Rope1D(8), position_map("block_relative", horizon=9))
+    with pytest.raises(ValueError, match="horizon=9 units and this cache can hold 10"):
+        RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read=rope)
+
+
+def test_frame_maps_refuse_a_sink_that_splits_a_frame_and_a_wrong_head_size():
+    fr = FrameRope(Rope3D(12, 1, 2))
+    with pytest.raises(ValueError, match="not a whole number"):
+        RingCache((1, 9, 2, 12), (1, 9, 2, 12), seq_dim=1, sink=1, window=8, chunk=2, rope_at_read=RopeAtRead(fr))
+    with pytest.raises(ValueError, match="features"):
+        RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read=RopeAtRead(fr))
+    with pytest.raises(TypeError, match="RopeAtRead"):
+        RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read="cache_relative")
+
+
+def test_one_rope_at_read_serves_one_geometry():
+    rope = RopeAtRead(Rope1D(8))
+    RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read=rope)
+    RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read=rope)  # same: fine
+    with pytest.raises(ValueError, match="needs its own"):
+        RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=4, window=6, chunk=2, rope_at_read=rope)
+
+
+def test_reads_without_an_open_span_and_double_rotation_are_refused():
+    c, read, q, rot = _stream_read("cache_relative")
+    with pytest.raises(ValueError, match="rotate them twice"):
+        attend(q, read, rope_mode="cache_relative", key_transform=lambda k: k)
+    c.commit_chunk(4)
+    closed = c.layer(0).read()
+    with pytest.raises(ValueError, match="no span is open"):
+        attend(q, closed)
+    with pytest.raises(ValueError, match="was read before the cache's last"):
+        attend(q, read)  # the read of the open span is stale once it is committed
+
+
+def test_rejected_map_changes_change_nothing():
+    pm = position_map("block_relative", horizon=10)
+    rope = RopeAtRead(Rope1D(8), [pm, "absolute"])
+    with pytest.raises(ValueError, match="no dynamic parameter"):
+        pm.set(cut=3, origin=2)
+    with pytest.raises(ValueError, match="int >= -1"):
+        pm.set(cut=-5)
+    assert pm.params()["cut"] == -1
+    rope.use("absolute")
+    with pytest.raises(ValueError, match="holds the maps"):
+        rope.use("sliding_sinks")
+    assert rope.current.name == "absolute" and int(rope._selected) == 1
+    with pytest.raises(ValueError, match="must differ"):
+        RopeAtRead(Rope1D(8), ["absolute", "absolute"])
+
+
+def test_one_compiled_graph_across_fills_wraps_and_map_changes():
+    """scripts/gpu_check.py's positions section, on the CPU: one dynamo frame (aot_eager) for a
+    read step through filling, 5 wraps, every registry map switched in and a RoPE cut on and
+    off (its CUDA-graph part is skipped here); the same as ``streamkv positions``' ``compile``."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_positions", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.check_positions(torch.device("cpu"), quick=True)
+    assert out["compile"]["frames"] == 1 and out["compile"]["rel_diff"] <= 1e-5
+    assert {n: s for n, s, _ in mod.RESULTS}["RoPE at read: one CUDA graph across maps"] == "SKIP"
+
+
+def test_the_docs_tables_are_the_registry():
+    from pathlib import Path
+
+    from streamkv.positions import registry_table
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("docs/ARCHITECTURE.md", "README.md"):
+        text = (root / doc).read_text()
+        a = text.index("<!-- position-maps -->") + len("<!-- position-maps -->")
+        b = text.index("<!-- /position-maps -->")
+        assert text[a:b].strip() == registry_table(), doc
+
+
+def test_the_fuzzers_position_hook_draws_the_registry():
+    import random
+
+    from streamkv.lab.fuzz_positions import draw_map_layout, fuzz_maps
+
+    rng = random.Random(0)
+    assert {draw_map_layout(rng).map for _ in range(200)} == set(POSITION_MAPS)
+    out = fuzz_maps(12, random.Random(3))
+    assert out["layouts"] == 12 and out["mismatches"] == 0 and out["max_abs_diff"] < 1e-12, out
+
+
+def test_the_readme_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("## Positions as data: RoPE at read")
+    code = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    cache, rope, out = scope["cache"], scope["rope"], scope["out"]
+    assert out.shape == (1, 16, 4, 32) and torch.isfinite(out).all()
+    assert rope.current.name == "block_relative" and rope.map("block_relative").params()["cut"] == 45
+    assert cache.next_chunk == 12 and (cache.slot_positions[..., :16] == torch.arange(16)).all()

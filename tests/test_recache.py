@@ -1,0 +1,122 @@
+"""Re-cache in place: a held span's K/V rewritten in its own slots equals rebuilding the cache
+from scratch with the new K/V (window kinds, RoPE at write and raw keys alike); per-head kinds
+rewrite exactly the (slot, head) pairs that hold the span; refusals change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, snapshot
+
+from streamkv import CACHE_KINDS
+from streamkv.attention import attend
+from streamkv.recache import recache
+from streamkv.rope_at_read import RopeAtRead
+from streamkv.rotary import Rope1D
+
+SINK, WINDOW, CHUNK, H, D = 2, 7, 3, 2, 8
+
+
+def _build(kind, raw=False):
+    kw = {"budget": SINK + WINDOW - CHUNK} if kind in ("h2o", "tova") else {"tau": 0.3} if kind == "mass" else {}
+    rope = RopeAtRead(Rope1D(D), "cache_relative") if raw else None
+    return CACHE_KINDS[kind]((1, SINK + WINDOW, H, D), (1, SINK + WINDOW, H, D), seq_dim=1, sink=SINK, window=WINDOW,
+                             chunk=CHUNK, num_layers=2, dtype=torch.float64, rope_at_read=rope, **kw)
+
+
+def _stream(cache, ks, vs, qs):
+    for c in range(len(ks)):
+        cache.begin_chunk(c)
+        for layer in range(2):
+            cache.layer(layer).update(ks[c][layer], vs[c][layer], qs[c])
+            if cache.needs_queries:
+                attend(qs[c], cache.layer(layer).read())
+        cache.commit_chunk(c)
+
+
+def _history(chunks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, CHUNK, H, D, generator=g, dtype=torch.float64) for _ in range(2)] for _ in range(chunks)]
+
+
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("kind", ["ring", "chronological"])
+def test_recache_equals_rebuilding_from_scratch(kind, raw):
+    ks, vs = _history(9, 0), _history(9, 1)
+    qs = [t[0] for t in _history(9, 2)]
+    cache = _build(kind, raw)
+    _stream(cache, ks, vs, qs)
+    held = cache.chronological_positions()
+    span = [p for p in held if p >= SINK][:4]  # part of the window, across a chunk boundary
+    start, n = span[0], len(span)
+    nk = torch.randn(1, n, H, D, dtype=torch.float64)
+    nv = torch.randn(1, n, H, D, dtype=torch.float64)
+    nk2, nv2 = nk * 2, nv - 1
+    assert recache(cache, start, nk, nv, layer=0) == n * H
+    assert recache(cache, 0, nk2[:, :SINK], nv2[:, :SINK], layer=1) == SINK * H  # the sinks, another layer
+    ks2 = [[x.clone() for x in c] for c in ks]
+    vs2 = [[x.clone() for x in c] for c in vs]
+    for i, p in enumerate(range(start, start + n)):
+        ks2[p // CHUNK][0][:, p % CHUNK] = nk[:, i]
+        vs2[p // CHUNK][0][:, p % CHUNK] = nv[:, i]
+    for p in range(SINK):
+        ks2[p // CHUNK][1][:, p % CHUNK] = nk2[:, p]
+        vs2[p // CHUNK][1][:, p % CHUNK] = nv2[:, p]
+    rebuilt = _build(kind, raw)
+    _stream(rebuilt, ks2, vs2, qs)
+    assert torch.equal(cache.storage.keys, rebuilt.storage.keys) and torch.equal(cache.storage.values, rebuilt.storage.values)
+    assert torch.equal(cache.slot_positions, rebuilt.slot_positions)
+    for c in (cache, rebuilt):
+        c.begin_chunk(9)
+    q, k, v = (torch.randn(1, CHUNK, H, D, dtype=torch.float64) for _ in range(3))
+    a, _ = attend(q, cache.layer(0).update(k, v))
+    b, _ = attend(q, rebuilt.layer(0).update(k, v))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["tova", "mass"])
+def test_per_head_recache_writes_exactly_the_heads_that_hold_the_span(kind):
+    ks, vs = _history(8, 0), _history(8, 1)
+    qs = [t[0] for t in _history(8, 2)]
+    cache = _build(kind)
+    _stream(cache, ks, vs, qs)
+    pos = cache.layer_slot_positions(0).clone()
+    before_k, before_v = cache.keys(0).clone(), cache.values(0).clone()
+    start = int(pos[pos >= SINK].min())
+    n = min(9, cache.end - start)
+    nk, nv = torch.randn(1, n, H, D, dtype=torch.float64), torch.randn(1, n, H, D, dtype=torch.float64)
+    written = recache(cache, start, nk, nv, layer=0)
+    hit = (pos >= start) & (pos < start + n)
+    assert written == int(hit.sum()) and 0 < written < n * H  # the heads hold different parts of the span
+    for h in range(H):
+        for s in range(pos.shape[1]):
+            got_k, got_v = cache.keys(0)[0, s, h], cache.values(0)[0, s, h]
+            if hit[h, s]:
+                r = int(pos[h, s]) - start
+                assert torch.equal(got_k, nk[0, r, h]) and torch.equal(got_v, nv[0, r, h])
+            else:
+                assert torch.equal(got_k, before_k[0, s, h]) and torch.equal(got_v, before_v[0, s, h])
+    assert torch.equal(cache.layer_slot_positions(0), pos)
+
+
+def test_refusals_change_nothing():
+    cache = _build("ring")
+    _stream(cache, _history(6, 0), _history(6, 1), [t[0] for t in _history(6, 2)])
+    snap = snapshot(cache)
+    good = torch.randn(1, 2, H, D, dtype=torch.float64)
+    cases = [
+        (ValueError, "no longer held", lambda: recache(cache, SINK, good, good, layer=0)),
+        (ValueError, "past the stream's end", lambda: recache(cache, cache.end - 1, good, good, layer=0)),
+        (ValueError, "must have shape", lambda: recache(cache, cache.end - 2, good, good[..., :4], layer=0)),
+        (TypeError, "dtype", lambda: recache(cache, cache.end - 2, good.float(), good.float(), layer=0)),
+        (ValueError, "shares memory", lambda: recache(cache, cache.end - 2, cache.keys(0)[:, :2], good, layer=0)),
+        (ValueError, "layer must be", lambda: recache(cache, cache.end - 2, good, good, layer=5)),
+        (ValueError, "rows at seq_dim", lambda: recache(cache, 0, good[:, :0], good[:, :0], layer=0)),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+        assert_same_state(snap, snapshot(cache))
+    cache.add_eviction_listener(lambda e: None)
+    with pytest.raises(RuntimeError, match="observers"):
+        recache(cache, cache.end - 2, good, good, layer=0)
