@@ -147,7 +147,9 @@ def attend(
         k, v = read.keys.movedim(seq, -2), read.values.movedim(seq, -2)
         if read.occupancy == "prefix":
             k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
-        if causal:
+        if read.load is not None:
+            pass  # the bias is built a block of slots at a time (_key_blocks): memory O(block)
+        elif causal:
             bias = read.causal_bias(read.query_positions, qt.dtype)
         else:
             bias = read.bias(qt.dtype)
@@ -175,8 +177,8 @@ def attend(
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
     if path == "physical" and read.load is not None:
-        res = key_blockwise_attention(qt, _key_blocks(read, bias, block), scale=scale, statistics=scored,
-                                      lse=return_lse, head_axis=read.head_axis)
+        res = key_blockwise_attention(qt, _key_blocks(read, block, causal, qt.dtype, groups), scale=scale,
+                                      statistics=scored, lse=return_lse, head_axis=read.head_axis)
         out, lse = res.out, res.lse
         if scored:
             read.scorer(res.key_max, res.key_sum)
@@ -196,15 +198,36 @@ def attend(
     return out.movedim(-2, seq), info
 
 
-def _key_blocks(read: KVRead, bias: Tensor | None, block: int):
-    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``)."""
+def _key_blocks(read: KVRead, block: int, causal: bool, dtype: torch.dtype, groups: int):
+    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``),
+    each with its own bias (empty slots; with ``causal``, later positions): nothing of size
+    ``O(slots)`` besides the positions."""
     seq = read.seq_dim
+
+    def bias_of(a: int, b: int) -> Tensor | None:
+        pos = read.positions[:, a:b]
+        if causal:
+            hidden = (pos.unsqueeze(-2) < 0) | (pos.unsqueeze(-2) > read.query_positions.view(-1, 1))  # [H, Q, s]
+        elif read.occupancy == "mask":
+            hidden = (pos < 0).unsqueeze(-2)  # [H, 1, s]
+        else:
+            return None
+        bias = hidden  # a bool mask (True hides): applied in place to the block's scores
+        shape = [1] * (read.keys.dim() - 2) + list(bias.shape[-2:])
+        if read.head_axis is None:
+            bias = bias[0].view(shape)
+        else:
+            shape[read.head_axis] = bias.shape[0]
+            bias = bias.view(shape)
+        if groups > 1 and bias.shape[-2] != 1:
+            bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
+        return bias
 
     def blocks():
         for a in range(0, read.visible, block):
             b = min(a + block, read.visible)
             k, v = read.load(a, b)
-            yield k.movedim(seq, -2), v.movedim(seq, -2), None if bias is None else bias[..., a:b]
+            yield k.movedim(seq, -2), v.movedim(seq, -2), bias_of(a, b)
 
     return blocks
 

@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-toy": ("train_toy", "train the toy streaming video DiT on procedural clips (CPU); write its weights"),
     "video-eval": ("video_eval", "cache policies judged on the trained toy's video memory: frames, tracking, "
                    "re-entry, revisit, attention, oracle"),
+    "quant": ("quant", "quantised KV storage (int8 / fp8 / int4 / int2) on SmolLM2 and the toy video model, beside "
+              "transformers' QuantizedCache and sglang's QVG cache, at matched device bytes"),
     "lm-eval": ("lm_eval", "caches on a real trained LM (SmolLM2-135M, Moby-Dick): perplexity and attention error at "
                 "matched KV memory vs the full cache and the per-query oracle"),
 }
