@@ -93,7 +93,12 @@ def _import_qvg():
                 pkg.__path__ = []
                 sys.modules[name] = pkg
         stub = types.ModuleType(names[-1])
-        stub.init_logger = lambda n: logging.getLogger(n)
+        def init_logger(n: str) -> logging.Logger:
+            log = logging.getLogger(n)
+            log.info_once = log.info  # sglang's logger extension
+            return log
+
+        stub.init_logger = init_logger
         sys.modules[names[-1]] = stub
         for name, path in files.items():
             ms = importlib.util.spec_from_file_location(name, path)
@@ -102,6 +107,8 @@ def _import_qvg():
             ms.loader.exec_module(mod)
         ms = importlib.util.spec_from_file_location("_streamkv_quant_sglang_qvg_packed_cache", target)
         qvg = importlib.util.module_from_spec(ms)
+        sys.modules[ms.name] = qvg  # its dataclasses look their module up
+        names.append(ms.name)
         ms.loader.exec_module(qvg)
         qvg.QVGKVQuantArgs = sys.modules[next(iter(files))].QVGKVQuantArgs
         return qvg
