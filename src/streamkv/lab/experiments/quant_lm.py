@@ -52,24 +52,25 @@ def _bytes_of_hf(cache: Any) -> tuple[int, int, int]:
     total = quant = qtok = 0
 
     def nb(x: Any) -> int:
+        inner = getattr(x, "__tensor_flatten__", None)  # a quanto QTensor: its inner tensors, not its dense size
+        if inner is not None and type(x) is not torch.Tensor:
+            names, _ = inner()
+            return sum(nb(getattr(x, n)) for n in names)
         if isinstance(x, torch.Tensor):
             return x.nbytes
         if isinstance(x, (tuple, list)):
             return sum(nb(y) for y in x)
         if isinstance(x, dict):
             return sum(nb(y) for y in x.values())
-        inner = getattr(x, "__tensor_flatten__", None)  # quanto QTensor
-        if inner is not None:
-            names, _ = inner()
-            return sum(nb(getattr(x, n)) for n in names)
         return 0
 
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         q = nb(layer._quantized_keys) + nb(layer._quantized_values)
         r = nb(layer.keys) + nb(layer.values)
         total += q + r
         quant += q
-        qtok += layer.cumulative_length - (layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
+        if i == 0:  # tokens held quantised (every layer holds the same)
+            qtok = layer.cumulative_length - (layer.keys.shape[-2] if layer.keys.dim() == 4 else 0)
     return total, quant, max(qtok, 1)
 
 
