@@ -107,9 +107,9 @@ def plot_quant(doc: dict[str, Any], path: str) -> None:
     rows = [r for r in doc.get("rows", []) if "error" not in r and r.get("device_bytes")]
     panels = [("smollm2", "perplexity", "SmolLM2-135M perplexity (Moby-Dick)"),
               ("toy-video", "error_mean", "toy video: error vs full-history rollout")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
     for ax, (ds, key, title) in zip(axes, panels):
-        sel = [r for r in rows if r["dataset"] == ds and r.get(key) is not None]
+        sel = [r for r in rows if r["dataset"] == ds and r.get(key)]  # (the float32 reference's error is 0)
         for r in sel:
             peer = r["cache"].startswith("transformers")
             marker = "s" if peer else ("o" if r["kind"] in ("ring", "full") else "^")
@@ -118,8 +118,9 @@ def plot_quant(doc: dict[str, Any], path: str) -> None:
             ax.annotate(f"{r['cache'].replace('streamkv ', '')}@{r['memory_tokens']}", (r["device_bytes"] / 2**20, r[key]),
                         fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set_xlabel("device bytes of the cache (MiB, log)")
-        ax.set_ylabel(key)
+        ax.set_ylabel(key + " (log)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     fig.suptitle("streamkv quant: quantised storage (green), full-precision / bf16 eviction (blue), "
