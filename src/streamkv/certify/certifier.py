@@ -102,6 +102,9 @@ class Certifier(CacheObserver):
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots == 0:
                 raise ValueError("recall_tau needs a cache with recall_slots > 0 (room to bring evicted tokens back)")
+            if st.codes is not None:
+                raise ValueError("recall_tau with quantised storage is refused: a recalled token would be quantised "
+                                 "again from its stored value, and the certificate charges only the second rounding")
         B, _, H, D = cache.k_shape
         self.cache, self.storage = cache, st
         self.recall_tau = recall_tau
