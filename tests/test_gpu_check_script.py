@@ -25,6 +25,8 @@ def test_cpu_sections_of_the_gpu_script_run():
     lat = mod.bench_rollout(cpu, quick=True, full_model=False)
     assert set(lat["rows"]) == {"chronological/eager", "ring/eager"}
     tt = mod.check_two_tier(cpu, quick=True)
+    qu = mod.check_quant(cpu, quick=True)
+    assert qu["graph"] is None and all(r["read_ms"] > 0 for r in qu["rows"].values())
     assert tt["caches"]["two_tier"]["violations"] == 0
     statuses = {name: status for name, status, _ in mod.RESULTS}
     assert statuses["graph replay of ring writes"] == "SKIP"

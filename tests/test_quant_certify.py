@@ -104,3 +104,11 @@ def test_certified_quantised_cache_has_no_violation(kind, fmt):
     res = check.result()
     assert res["violations"] == 0, res
     assert res["nontrivial"] > 100 and res["count_mismatch"] == 0
+
+
+def test_recall_into_quantised_storage_is_refused():
+    B, H, D = 1, 2, 16
+    cache = KVCache((B, 14, H, D), (B, 14, H, D), seq_dim=1, sink=2, window=12, chunk=3, policy="tova",
+                    recall_slots=6, quant="int8")
+    with pytest.raises(ValueError, match="quantised storage"):
+        Certifier(cache, sketch_bits=8, recall_tau=0.05)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .caches.read import KVRead, Occupancy
-from .storage import position_bias
+from .storage import position_bias, position_mask
 from .validate import check_real
 from .scoring import blockwise_attention, check_block, fold_groups, key_blockwise_attention, unfold_groups
 
@@ -180,7 +180,9 @@ def attend(
         k, v = read.keys.movedim(seq, -2), read.values.movedim(seq, -2)
         if read.occupancy == "prefix":
             k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
-        if causal:
+        if read.load is not None:
+            pass  # the bias is built a block of slots at a time (_key_blocks): memory O(block)
+        elif causal:
             bias = read.causal_bias(read.query_positions, qt.dtype, window)
         else:
             bias = read.bias(qt.dtype)
@@ -209,8 +211,8 @@ def attend(
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
     scored = read.scorer is not None and path == "physical"
     if path == "physical" and read.load is not None:
-        res = key_blockwise_attention(qt, _key_blocks(read, bias, key_block), scale=scale, statistics=scored,
-                                      lse=return_lse, head_axis=read.head_axis)
+        res = key_blockwise_attention(qt, _key_blocks(read, key_block, causal, groups, window), scale=scale,
+                                      statistics=scored, lse=return_lse, head_axis=read.head_axis)
         out, lse = res.out, res.lse
         if scored:
             read.scorer(res.key_max, res.key_sum)
@@ -231,15 +233,36 @@ def attend(
     return out.movedim(-2, seq), info
 
 
-def _key_blocks(read: KVRead, bias: Tensor | None, block: int):
-    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``)."""
+def _key_blocks(read: KVRead, block: int, causal: bool, groups: int, window: int | None = None):
+    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``),
+    each with its own mask (empty slots; with ``causal``, later positions and, with ``window``,
+    those out of the window): nothing of size ``O(slots)`` besides the positions."""
     seq = read.seq_dim
+
+    def bias_of(a: int, b: int) -> Tensor | None:
+        pos = read.positions[:, a:b]
+        if causal:
+            hidden = position_mask(pos, read.query_positions, window)  # [H, Q, s]
+        elif read.occupancy == "mask":
+            hidden = position_mask(pos)  # [H, 1, s]
+        else:
+            return None
+        bias = hidden  # a bool mask (True hides): applied in place to the block's scores
+        shape = [1] * (read.keys.dim() - 2) + list(bias.shape[-2:])
+        if read.head_axis is None:
+            bias = bias[0].view(shape)
+        else:
+            shape[read.head_axis] = bias.shape[0]
+            bias = bias.view(shape)
+        if groups > 1 and bias.shape[-2] != 1:
+            bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
+        return bias
 
     def blocks():
         for a in range(0, read.visible, block):
             b = min(a + block, read.visible)
             k, v = read.load(a, b)
-            yield k.movedim(seq, -2), v.movedim(seq, -2), None if bias is None else bias[..., a:b]
+            yield k.movedim(seq, -2), v.movedim(seq, -2), bias_of(a, b)
 
     return blocks
 

@@ -117,8 +117,9 @@ class KVFormat:
             return (y.reshape(*y.shape[:-1], dim // group, group) * s).reshape(*y.shape[:-1], dim)
         M = 2**self.bits - 1
         c = _unpack(codes, self.bits, dim).float()
-        lev = (2.0 * c - M).reshape(*c.shape[:-1], dim // group, group)
-        return (lev * (s * 0.5)).reshape(*c.shape[:-1], dim)
+        # (c - M / 2) is a half-integer of at most 9 bits: its product with a bfloat16 is exact
+        lev = c.sub_(M / 2).reshape(*c.shape[:-1], dim // group, group)
+        return lev.mul_(s).reshape(*c.shape[:-1], dim)
 
     def error_bound(self, codes: Tensor, scale: Tensor | None, dim: int, group: int,
                     decoded: Tensor | None = None) -> Tensor:

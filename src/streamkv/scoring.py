@@ -100,7 +100,8 @@ def blockwise_attention(
 
 
 #: A source of key blocks for :func:`key_blockwise_attention`: called once per pass, it yields
-#: ``(k [..., s, D], v [..., s, Dv] or None, bias broadcastable to [..., Q, s] or None)`` for
+#: ``(k [..., s, D], v [..., s, Dv] or None, bias broadcastable to [..., Q, s] or None)`` (an
+#: additive float bias, or a bool mask where True hides the key) for
 #: consecutive slot ranges that together cover the keys once, in the same order every call.
 KeyBlocks = Callable[[], Iterable[tuple[Tensor, Tensor | None, Tensor | None]]]
 
@@ -137,9 +138,7 @@ def key_blockwise_attention(
     qf = q.to(acc)
     m = l = out = None
     for k, v, bias in blocks():
-        s = (qf @ k.to(acc).transpose(-1, -2)) * scale
-        if bias is not None:
-            s = s + bias.to(acc)
+        s = _block_scores(qf, k, bias, acc, scale)
         bm = s.amax(dim=-1, keepdim=True)
         if m is None:
             m_new = bm
@@ -147,7 +146,7 @@ def key_blockwise_attention(
             m_new = torch.maximum(m, bm)
         # a row with every key so far hidden has m_new = -inf: keep it at 0 weight, not NaN
         safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(s - safe)
+        p = s.sub_(safe).exp_()  # in place: one score-sized buffer per block
         if m is None:
             l = p.sum(-1, keepdim=True)
             out = p @ v.to(acc) if v is not None else None
@@ -165,10 +164,8 @@ def key_blockwise_attention(
     if statistics:
         maxes, sums = [], []
         for k, _, bias in blocks():
-            s = (qf @ k.to(acc).transpose(-1, -2)) * scale
-            if bias is not None:
-                s = s + bias.to(acc)
-            ph = _to_heads(torch.exp(s - row).to(torch.float64), head_axis)
+            s = _block_scores(qf, k, bias, acc, scale)
+            ph = _to_heads(s.sub_(row).exp_().to(torch.float64), head_axis)
             maxes.append(ph.amax(dim=1))
             sums.append(ph.sum(dim=1))
         kmax, ksum = torch.cat(maxes, dim=-1), torch.cat(sums, dim=-1)
@@ -192,6 +189,8 @@ def _fused_key_blocks(q: Tensor, blocks: KeyBlocks, *, scale: float, lse: bool) 
         v4 = v.to(q.dtype).reshape(1, -1, s, v.shape[-1])
         mask = None
         if bias is not None:
+            if bias.dtype == torch.bool:  # True hides (a block's position mask)
+                bias = torch.zeros(bias.shape, dtype=q.dtype, device=bias.device).masked_fill_(bias, float("-inf"))
             mask = bias.to(q.dtype).expand(*lead, n, s).reshape(1, -1, n, s)
         o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
         l = l.to(torch.float64 if q.dtype == torch.float64 else torch.float32).unsqueeze(-1)
@@ -213,6 +212,16 @@ def _fused_key_blocks(q: Tensor, blocks: KeyBlocks, *, scale: float, lse: bool) 
     out = (o_acc / s_acc).to(q.dtype).reshape(*lead, n, -1)  # 0/0 = NaN where nothing is visible, as elsewhere
     row = (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(s_acc)).squeeze(-1)
     return Blockwise(out, row.reshape(*lead, n) if lse else None, None, None)
+
+
+def _block_scores(qf: Tensor, k: Tensor, bias: Tensor | None, acc: torch.dtype, scale: float) -> Tensor:
+    """``q @ k^T * scale`` plus the block's bias: additive (float) or a mask (bool, True hides)."""
+    s = (qf @ k.to(acc).transpose(-1, -2)).mul_(scale)
+    if bias is None:
+        return s
+    if bias.dtype == torch.bool:
+        return s.masked_fill_(bias, float("-inf"))
+    return s.add_(bias.to(acc))
 
 
 def fold_groups(q: Tensor, heads: int, head_axis: int | None) -> Tensor:

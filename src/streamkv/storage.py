@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .validate import check_int
 
-__all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias"]
+__all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias", "position_mask"]
 
 
 def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
@@ -50,6 +50,12 @@ def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
     ``[..., Q, S]`` (``Q = 1`` without queries).
     A function of positions, so it is exact in any physical order: the one mask builder of the
     project (reads, the chronological path, the certifier, the whole-history check)."""
+    hidden = position_mask(key_positions, query_positions, window)
+    return torch.zeros(hidden.shape, dtype=dtype, device=key_positions.device).masked_fill_(hidden, float("-inf"))
+
+
+def position_mask(key_positions: Tensor, query_positions: Tensor | None = None, window: int | None = None) -> Tensor:
+    """:func:`position_bias` as a bool mask (True hides): ``[..., Q, S]``."""
     k = key_positions.unsqueeze(-2)
     hidden = k < 0
     if query_positions is not None:
@@ -57,7 +63,7 @@ def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
         hidden = hidden | (k > qp)
         if window is not None:
             hidden = hidden | (k <= qp - window)
-    return torch.zeros(hidden.shape, dtype=dtype, device=key_positions.device).masked_fill_(hidden, float("-inf"))
+    return hidden
 
 
 def _shape(name: str, shape: object) -> tuple[int, ...]:

@@ -109,6 +109,9 @@ class Certifier(CacheObserver):
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots == 0:
                 raise ValueError("recall_tau needs a cache with recall_slots > 0 (room to bring evicted tokens back)")
+            if st.codes is not None:
+                raise ValueError("recall_tau with quantised storage is refused: a recalled token would be quantised "
+                                 "again from its stored value, and the certificate charges only the second rounding")
         elif st.recall_slots and not any(isinstance(o, Certifier) and o.recall_tau is not None for o in cache.observers):
             raise ValueError(
                 f"the cache has {st.recall_slots} recall slots and this certifier does not recall (recall_tau=None): "

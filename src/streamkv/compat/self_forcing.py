@@ -71,11 +71,14 @@ class SelfForcingKVCache(Mapping):
         rolling: evict the oldest window tokens when a chunk does not fit (Self-Forcing's
             ``local_attn_size != -1``); False: a chunk that does not fit raises.
         dtype, device: of the buffers (the index tensors are int64 on ``device``).
+        quant: quantised storage of the ring (:class:`~streamkv.quant.KVQuant` or a format
+            name): ``"k"``/``"v"`` are then zero-stride placeholders and ``update`` returns a
+            dequantised copy of the rows to attend to (see :mod:`streamkv.compat.sglang`).
     """
 
     def __init__(self, batch: int, cache_size: int, num_heads: int, head_dim: int, *, sink_tokens: int = 0,
                  attention_tokens: int | None = None, rolling: bool = True, v_head_dim: int | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", quant: object = None) -> None:
         shape = tuple(check_int(n, x, 1) for n, x in (("batch", batch), ("cache_size", cache_size),
                                                        ("num_heads", num_heads), ("head_dim", head_dim)))
         dv = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
@@ -83,10 +86,14 @@ class SelfForcingKVCache(Mapping):
         if not isinstance(rolling, bool):
             raise TypeError(f"rolling must be a bool, got {type(rolling).__name__} {rolling!r}")
         self._rolling = rolling
+        # quantised storage: the ring allocates codes; "k"/"v" are zero-stride placeholders (no memory)
+        make = (lambda sh: torch.zeros(sh, dtype=dtype, device=device)) if quant is None else (
+            lambda sh: torch.zeros((), dtype=dtype, device=device).expand(sh))
         self._cache = RingCausalSelfAttentionKVCache(
-            torch.zeros(shape, dtype=dtype, device=device), torch.zeros((*shape[:3], dv), dtype=dtype, device=device),
+            make(shape), make((*shape[:3], dv)),
             torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device), 0, 0,
             cache_size=cache_size, sink_tokens=check_int("sink_tokens", sink_tokens, 0), attention_window_size=window,
+            quant=quant,
         )
 
     @property
@@ -156,10 +163,10 @@ class SelfForcingKVCache(Mapping):
 def self_forcing_kv_caches(num_blocks: int, batch: int, cache_size: int, num_heads: int, head_dim: int, *,
                            sink_tokens: int = 0, attention_tokens: int | None = None, rolling: bool = True,
                            v_head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                           device: torch.device | str = "cpu") -> list[SelfForcingKVCache]:
+                           device: torch.device | str = "cpu", quant: object = None) -> list[SelfForcingKVCache]:
     """One :class:`SelfForcingKVCache` per transformer block (the list Self-Forcing's pipeline keeps
     as ``kv_cache1``); the arguments are each block's (see the class)."""
     blocks = check_int("num_blocks", num_blocks, 1)
     return [SelfForcingKVCache(batch, cache_size, num_heads, head_dim, sink_tokens=sink_tokens,
                                attention_tokens=attention_tokens, rolling=rolling, v_head_dim=v_head_dim,
-                               dtype=dtype, device=device) for _ in range(blocks)]
+                               dtype=dtype, device=device, quant=quant) for _ in range(blocks)]

@@ -61,6 +61,19 @@ Differences, all deliberate:
 - ``reset_indices()`` keeps stale K/V like sglang; the ring is rebuilt by the next call.
 - ``max_chunk_tokens`` (keyword only, not sglang's) bounds the chunk length (default: the
   ring's window); the ring's per-chunk slot plan is that long.
+- ``quant`` (keyword only, not sglang's): the ring stores codes (:class:`~streamkv.quant.KVQuant`,
+  e.g. ``"int8"``; sinks and the open chunk in full precision, every chunk quantised once when
+  the next one advances). ``k``/``v`` are then not written (they only give the shape: pass
+  zero-stride tensors, ``torch.zeros(()).expand(B, L, H, D)``, to allocate nothing) and the view
+  is a dequantised copy of its rows in the cache dtype (sglang's models attend over a dense
+  view; :func:`streamkv.attention.attend` on ``ring.read(0)`` reads the codes block by block
+  instead). A re-layout of a quantised ring that holds tokens (pinned multi-shot sink, sink
+  changes, growth) is refused. sglang's own ``--kv-cache-quant`` (``QVGPackedCausalKVCache``)
+  packs chunks with PRQ k-means codes (int4 / int2) in a Python list of segments, keeps the
+  newest completed chunk bf16 and the first sink chunk bf16 on request, and also rebuilds a
+  dense window per call; it refuses pinned sinks and runs LingBot only. This ring keeps
+  fixed addresses and device write plans (graph-safe writes), int8 / fp8 / int4 / int2 with
+  per-token scales (no k-means), and serves every mode above but re-layouts.
 
 Refusals (``ValueError`` naming the constraint and the values; the cache is left unchanged),
 where sglang would go on:
@@ -147,7 +160,7 @@ class RingCausalSelfAttentionKVCache:
                  global_end_index_int: int | None = None, local_end_index_int: int | None = None,
                  cache_size: int = 0, sink_tokens: int = 0, attention_window_size: int = 0,
                  allow_growth: bool = False, global_sink_tokens: int = 0, pinned_start: int = -1,
-                 pinned_len: int = 0, *, max_chunk_tokens: int | None = None) -> None:
+                 pinned_len: int = 0, *, max_chunk_tokens: int | None = None, quant: object = None) -> None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.layout != torch.strided:
                 raise TypeError(f"{name} must be a dense 4-D tensor [B, L, H, D], got {_desc(t)}")
@@ -173,6 +186,9 @@ class RingCausalSelfAttentionKVCache:
                                   _nonneg("pinned_len", pinned_len))
         self.sink_tokens, self.global_sink_tokens, self.allow_growth = sink_tokens, global_sink_tokens, allow_growth
         self._max_chunk = None if max_chunk_tokens is None else check_int("max_chunk_tokens", max_chunk_tokens, 1)
+        from ..quant import as_quant
+
+        self._quant = as_quant(quant)  # quantised storage of the ring (streamkv.quant); None: dense
         self._ring: RingCache | None = None  # built by the first call (it fixes the head slice)
         self._vmap = VirtualMap()  # the ring's numbering of sglang's positions
         self._heads: tuple[int, int] | None = None
@@ -281,6 +297,13 @@ class RingCausalSelfAttentionKVCache:
                           global_sink_tokens=self._global_sink_tokens, allow_growth=self._allow_growth,
                           recent=recent, name=debug_name)
         relayout = self._plan_ring(upd, n, debug_name) if upd.advance else None
+        if relayout is not None and self._quant is not None and self._ring is not None and self._ring.end:
+            raise ValueError(
+                f"{debug_name}: this chunk needs the ring re-laid out (a pinned multi-shot sink, a change of the "
+                f"sinks, growth, or a chunk over the frozen slots), and a quantised ring (quant=) is not re-laid out "
+                f"once it holds tokens (its codes and full-precision rows would have to be renumbered); use a dense "
+                f"ring for these modes"
+            )
         if not upd.advance:
             self._check_rewrite(upd, start, n, debug_name)
         self._check_view(upd, debug_name)
@@ -401,7 +424,7 @@ class RingCausalSelfAttentionKVCache:
         """Re-lay out the ring (:func:`.sglang_ring.relayout`) over the cache's memory."""
         kb, vb = self._ring_buffers(size, heads)
         self._ring = relayout(self._ring, self._vmap, vmap, kb, vb, sink=sink, end=self._state.local_end,
-                              max_chunk=self._max_chunk)
+                              max_chunk=self._max_chunk, quant=self._quant)
         self._vmap, self._heads = vmap, heads
 
     def _ring_buffers(self, size: int, heads: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -410,6 +433,8 @@ class RingCausalSelfAttentionKVCache:
         buffers whose rows provably do not overlap), kept across resets and grown with the cache."""
         h0, h = heads
         kb, vb = (b.narrow(1, 0, size).narrow(2, h0, h) for b in (self._k, self._v))
+        if self._quant is not None:  # the ring allocates its codes: k/v only describe the shape
+            return kb, vb
         if kb.is_contiguous() and vb.is_contiguous():
             return kb, vb
         own = self._own
