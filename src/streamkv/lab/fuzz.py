@@ -707,6 +707,28 @@ def _branches_of(root: Any) -> list[KVCache]:
     return [root[n] for n in root.branches] if isinstance(root, CacheSet) else [root]
 
 
+def _one_call(f: _Fuzz, r: float) -> None:
+    c = f.caches[0]
+    if r < 0.18:
+        f.rejected()
+    elif r < 0.3:
+        f.fault()
+    elif not c.is_open:
+        if r < 0.32:
+            f.run(("reset", ()))
+        elif r < 0.36:
+            f.round_trip()
+        else:
+            f.run(f.begin_call())
+    elif not f.written or r < 0.55:
+        f.update()
+    elif r < 0.6:
+        f.round_trip()
+    else:
+        f.run(f.commit_call())
+    f.check_storage()
+
+
 def fuzz_layout(lay: Layout, rng: random.Random, res: FuzzResult, calls: int = 30) -> None:
     """One layout through ``calls`` random calls (see the module docstring)."""
     f = _Fuzz(lay, rng, res)
@@ -716,27 +738,15 @@ def fuzz_layout(lay: Layout, rng: random.Random, res: FuzzResult, calls: int = 3
     res.group_layouts += f.group
     for _ in range(calls):
         res.calls += 1
-        r = rng.random()
-        c = f.caches[0]
-        if r < 0.18:
-            f.rejected()
-        elif r < 0.3:
-            f.fault()
-        elif not c.is_open:
-            if r < 0.32:
-                f.run(("reset", ()))
-            elif r < 0.36:
-                f.round_trip()
-            else:
-                f.run(f.begin_call())
-        elif not f.written or r < 0.55:
-            f.update()
-        elif r < 0.6:
-            f.round_trip()
-        else:
-            f.run(f.commit_call())
-        f.check_storage()
-    f.finish()
+        try:
+            _one_call(f, rng.random())
+        except Exception as exc:  # noqa: BLE001 - a legal call that raises is a finding; the layout ends there
+            f._mismatch(f"a legal call raised {type(exc).__name__}: {exc}")
+            break
+    try:
+        f.finish()
+    except Exception as exc:  # noqa: BLE001
+        f._mismatch(f"the history check raised {type(exc).__name__}: {exc}")
 
 
 def run_fuzz(layouts: int, *, seed: int = 0, calls: int = 30, progress=None) -> FuzzResult:
