@@ -27,7 +27,7 @@ def _sample(keep, layouts: int, seed: int, **replace) -> FuzzResult:
     return res
 
 
-SAMPLE_SEED = 0
+SAMPLE_SEED = 2
 
 
 def test_a_bounded_sample_is_clean():

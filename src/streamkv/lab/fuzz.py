@@ -20,8 +20,9 @@ Every certified cache carries a :class:`~streamkv.certify.HistoryCheck` (float64
 history, ``check_storage=True``). A third of the layouts are a :class:`~streamkv.caches.CacheSet`
 of two branches (``cond``, ``uncond``; whole chunks only, every lifecycle call through the
 set). Per layout also: a rank 3-5 shape with the token and head dims anywhere, sink / window /
-chunk sizes (aligned or not), a dtype (bf16, fp16, fp32, fp64), 1-2 layers, and whether the
-fault observer watches before or after the certifier. Inputs come in random memory layouts:
+chunk sizes (aligned or not), a dtype (bf16, fp16, fp32, fp64), 1-2 layers, 1-3 query heads per
+key head (grouped-query attention) where there is a head dim, and whether the fault observer
+watches before or after the certifier. Inputs come in random memory layouts:
 contiguous, transposed, strided, offset or expanded (stride 0). Then a random sequence of calls:
 
 - legal ones: ``begin_chunk`` (advance or reopen), ``begin_tokens(n)``, ``update(k, v, q)``
@@ -119,6 +120,7 @@ class Layout:
     recall_slots: int = 0
     certifier: tuple[tuple[str, Any], ...] = ()  # Certifier options (certified kinds)
     fault_first: bool = False  # the fault observer and listener watch before the certifier
+    query_groups: int = 1  # query heads per key head (grouped-query attention)
 
     @property
     def policy(self) -> str:
@@ -147,6 +149,8 @@ class FuzzResult:
     seconds: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
     observer_fault_kinds: dict[str, int] = field(default_factory=dict)
+    #: layouts with an undercount, by kind (``+recall``: the certifier recalls into recall slots)
+    certificate_undercount_layouts: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # the first few, for a human
 
     def to_json(self) -> dict[str, Any]:
@@ -202,7 +206,8 @@ def draw_layout(rng: random.Random) -> Layout:
             opts["scale"] = rng.choice([0.25, 1.0, 3.0])
     return Layout(kind, tuple(sizes), 2 * rng.randint(1, 3), seq, head, sink, window, chunk, rng.randint(1, 2), dtype,
                   params=tuple(sorted(params.items())), branches=2 if rng.random() < 0.33 else 1,
-                  recall_slots=recall_slots, certifier=tuple(sorted(opts.items())), fault_first=rng.random() < 0.5)
+                  recall_slots=recall_slots, certifier=tuple(sorted(opts.items())), fault_first=rng.random() < 0.5,
+                  query_groups=1 if head is None else rng.choice([1, 1, 2, 3]))
 
 
 class _Fault(CacheObserver):
@@ -299,10 +304,12 @@ class _Fuzz:
         return root, caches, faults, checks
 
     # ----------------------------------------------------------------- inputs
-    def _rows(self, last: int, n: int) -> torch.Tensor:
-        """Random rows of the open span in a random memory layout."""
+    def _rows(self, last: int, n: int, groups: int = 1) -> torch.Tensor:
+        """Random rows of the open span in a random memory layout (``groups`` times the heads: queries)."""
         shape = list(self.lay.shape[:-1]) + [last]
         shape[self.lay.seq_dim] = n
+        if groups > 1:
+            shape[self.lay.head_dim] *= groups
         base = torch.randn(shape, generator=self.gen, dtype=torch.float64).to(self.dtype)
         how = self.rng.choice(["contiguous", "transposed", "strided", "offset", "expanded"])
         if how == "transposed" and len(shape) >= 2:
@@ -368,7 +375,8 @@ class _Fuzz:
     def _update_one(self, b: int, layer: int, nan: bool = False) -> None:
         c, lay = self.caches[b], self.lay
         start, n = c.open_span
-        k, v, q = self._rows(lay.shape[-1], n), self._rows(lay.value_dim, n), self._rows(lay.shape[-1], n)
+        k, v = self._rows(lay.shape[-1], n), self._rows(lay.value_dim, n)
+        q = self._rows(lay.shape[-1], n, lay.query_groups)
         if nan:
             q = q.clone(memory_format=torch.contiguous_format)
             q.view(-1)[self.rng.randrange(q.numel())] = math.nan
@@ -427,21 +435,25 @@ class _Fuzz:
         return x.select(st.head_axis, head) if st.head_axis is not None else x
 
     def check_storage(self) -> None:
+        """Every held slot (recall slots included) holds its position's K/V of the history, per
+        head; a window cache holds exactly ``[sinks | last window]``."""
+        sd = self.lay.seq_dim
         for b, c in enumerate(self.caches):
             if c.is_open and not all(p in self.hist[b][0] for p in range(c.open_span[0], c.end)):
                 continue  # the open span is not written yet
             for layer in range(self.lay.layers):
                 pos = c.layer_slot_positions(layer)
-                for h in range(pos.shape[0]):
-                    held = {int(p): s for s, p in enumerate(pos[h].tolist()) if p >= 0}
-                    kh, vh = self._head_rows(c.keys(layer), h, c), self._head_rows(c.values(layer), h, c)
-                    for p, s in held.items():
-                        hk, hv = self.hist[b][layer][p]
-                        want_k = self._head_rows(hk.unsqueeze(self.lay.seq_dim), h, c).squeeze(-2)
-                        want_v = self._head_rows(hv.unsqueeze(self.lay.seq_dim), h, c).squeeze(-2)
-                        if not (torch.equal(kh.select(-2, s), want_k) and torch.equal(vh.select(-2, s), want_v)):
-                            return self._mismatch(f"branch {b} layer {layer} head {h} slot {s} does not hold "
-                                                  f"position {p}'s K/V")
+                hist = self.hist[b][layer]
+                for h, row in enumerate(pos.tolist()):
+                    slots = [s for s, p in enumerate(row) if p >= 0]
+                    if not slots:
+                        continue
+                    idx = torch.tensor(slots)
+                    for which, buf in ((0, c.keys(layer)), (1, c.values(layer))):
+                        want = torch.stack([hist[row[s]][which] for s in slots], sd)
+                        if not torch.equal(self._head_rows(buf.index_select(sd, idx), h, c), self._head_rows(want, h, c)):
+                            return self._mismatch(f"branch {b} layer {layer} head {h}: a slot of {slots} does not "
+                                                  f"hold its position's {'KV'[which]} ({[row[s] for s in slots]})")
                 if c.retains_window:
                     got = sorted(p for p in pos[0, : c.layout.capacity].tolist() if p >= 0)
                     if got != c.layout.retained_positions(c.end):
@@ -451,35 +463,40 @@ class _Fuzz:
         c = self.caches[b]
         qpos = torch.arange(c.open_span[0], c.end)
         pos = c.layer_slot_positions(layer)
-        worst, scale = 0.0, 0.0
+        worst, scale, G = 0.0, 0.0, self.lay.query_groups
         for h in range(pos.shape[0]):
             held = sorted(p for p in pos[h].tolist() if p >= 0)
             hist = [self.hist[b][layer][p] for p in held]
             k = torch.stack([self._head_rows(x[0].unsqueeze(self.lay.seq_dim), h, c).squeeze(-2) for x in hist], -2)
             v = torch.stack([self._head_rows(x[1].unsqueeze(self.lay.seq_dim), h, c).squeeze(-2) for x in hist], -2)
-            qh = self._head_rows(q, h, c).double()
-            s = qh @ k.double().transpose(-1, -2) / k.shape[-1] ** 0.5
-            if causal:
-                s = s.masked_fill(torch.tensor(held).view(1, -1) > qpos.view(-1, 1), float("-inf"))
-            want = s.softmax(-1) @ v.double()
-            worst = max(worst, float((self._head_rows(out, h, c).double() - want).abs().max()))
-            scale = max(scale, float(want.abs().max()))
+            for hq in range(h * G, (h + 1) * G):  # query head hq reads key head hq // G
+                qh = self._head_rows(q, hq, c).double()
+                s = qh @ k.double().transpose(-1, -2) / k.shape[-1] ** 0.5
+                if causal:
+                    s = s.masked_fill(torch.tensor(held).view(1, -1) > qpos.view(-1, 1), float("-inf"))
+                want = s.softmax(-1) @ v.double()
+                worst = max(worst, float((self._head_rows(out, hq, c).double() - want).abs().max()))
+                scale = max(scale, float(want.abs().max()))
         if not worst <= TOL[self.lay.dtype] * max(scale, 1.0):  # NaN fails too
             self._mismatch(f"attention off the float64 reference by {worst:.3g} (scale {scale:.3g})")
 
     def finish(self) -> None:
         """Every certified cache's whole-history verdict on every certificate it saw."""
-        nontrivial = 0
+        nontrivial = undercounts = 0
         for b, check in enumerate(self.checks):
             r = check.result()
             self.res.certified_queries_checked += r["queries_checked"]
             nontrivial += r["nontrivial"]
             bad = {k: r[k] for k in UNDERCOUNT_KEYS if r[k]}
             if bad:
-                self.res.certificate_undercounts += sum(bad.values())
+                undercounts += sum(bad.values())
                 self._fail(f"branch {b}: the history check found {bad}")
         self.res.certified_nontrivial_rows += nontrivial
         self.res.certified_layouts_evicting += nontrivial > 0
+        if undercounts:
+            self.res.certificate_undercounts += undercounts
+            key = self.lay.kind + (" +recall" if self.lay.recall_slots else "")
+            self.res.certificate_undercount_layouts[key] = self.res.certificate_undercount_layouts.get(key, 0) + 1
 
     # ----------------------------------------------------------- rejections
     def _unchanged(self, before: dict, what: str) -> None:
@@ -605,7 +622,7 @@ class _Fuzz:
                 "load": self.load_call}[what]()
         modes = ["veto", "veto", "after", "after", "aborted"]
         if what == "commit" and self.needs_queries:
-            modes.append("nan")
+            modes += ["nan", "nan"]
         mode = self.rng.choice(modes)
         if mode == "aborted" and call[0] == "commit":
             mode = "veto"  # commit() of a partial span has no public prepare
@@ -710,7 +727,7 @@ def _branches_of(root: Any) -> list[KVCache]:
 def _one_call(f: _Fuzz, r: float) -> None:
     c = f.caches[0]
     if r < 0.18:
-        f.rejected()
+        return f.rejected()  # the full state was compared: the storage is what it was
     elif r < 0.3:
         f.fault()
     elif not c.is_open:
