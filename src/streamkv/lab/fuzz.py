@@ -254,7 +254,8 @@ class _Fault(CacheObserver):
             self._fail()
 
 
-#: a lifecycle call on the root (cache or cache set): (method, args); prepared per branch by
+#: a lifecycle call is ``(method, args)`` on the root (a cache or a cache set); an aborted one runs
+#: each branch's ``prepare_*`` of it and drops the step
 _PREPARE = {"begin_chunk": "prepare_begin", "begin_tokens": "prepare_begin_tokens", "commit_chunk": "prepare_commit",
             "reset": "prepare_reset", "load_state_dict": "prepare_load"}
 _CHANGE = {"begin_chunk": "begin", "begin_tokens": "begin", "commit_chunk": "commit", "commit": "commit",
