@@ -1,21 +1,78 @@
-"""The differential fuzzer: a bounded sample runs clean, and it finds what it is meant to find."""
+"""The differential fuzzer: a bounded sample runs clean, it fuzzes every registered policy, and
+it finds what it is meant to find (each control breaks the library in one way and checks the
+count that must see it)."""
 
+import dataclasses
 import json
 import random
 
 import torch
 
+from streamkv.caches.observers import Observers
+from streamkv.certify import Certifier
 from streamkv.lab.cli import main
-from streamkv.lab.fuzz import KINDS, FuzzResult, draw_layout, fuzz_layout, run_fuzz
-from streamkv.policies import Ring
+from streamkv.lab.fuzz import FuzzResult, draw_layout, fuzz_layout, kinds, run_fuzz
+from streamkv.policies import POLICIES, FixedBudget, Ring
+from streamkv.policies.scored import Scores
+
+
+def _sample(keep, layouts: int, seed: int, **replace) -> FuzzResult:
+    """``layouts`` random layouts that ``keep`` accepts (with ``replace`` applied), fuzzed."""
+    rng, res = random.Random(seed), FuzzResult()
+    with torch.no_grad():
+        while res.layouts < layouts:
+            lay = draw_layout(rng)
+            if keep(lay):
+                fuzz_layout(dataclasses.replace(lay, **replace), rng, res)
+    return res
+
+
+SAMPLE_SEED = 2
 
 
 def test_a_bounded_sample_is_clean():
     with torch.no_grad():
-        r = run_fuzz(120, seed=7)
-    assert r.layouts == 120 and set(r.kinds) == set(KINDS)
-    assert r.rejected_calls > 300 and r.calls == 120 * 30
-    assert (r.state_changes_after_rejection, r.bad_calls_accepted, r.mismatches) == (0, 0, 0), r.failures
+        r = run_fuzz(30, seed=SAMPLE_SEED)
+    assert r.layouts == 30 and r.calls == 30 * 30 and r.rejected_calls > 100
+    assert r.certified_layouts > 12 and r.group_layouts > 5 and r.certified_layouts_evicting > 8
+    assert r.certified_nontrivial_rows > 300 and r.observer_faults > 70
+    fault_kinds = {k.split("_")[0] for k in r.observer_fault_kinds}
+    assert fault_kinds == {"veto", "aborted", "after", "nan"}, r.observer_fault_kinds
+    assert (r.state_changes_after_rejection, r.bad_calls_accepted, r.mismatches, r.certificate_undercounts) == (
+        0, 0, 0, 0), r.failures
+
+
+def test_every_registered_policy_is_drawn_plain_certified_and_two_tier():
+    want = set(kinds())
+    assert want == {p + n for n in POLICIES for p in ("", "certified-", "twotier-")}
+    rng = random.Random(0)
+    lays = [draw_layout(rng) for _ in range(3000)]
+    assert {lay.kind for lay in lays} == want
+    for lay in lays:
+        if lay.kind.startswith("twotier-"):  # sketches are refused on float64 caches
+            assert lay.dtype != "float64" and lay.recall_slots > 0 and dict(lay.certifier)["sketch_bits"] in (4, 8)
+        if issubclass(POLICIES[lay.policy], FixedBudget):
+            assert lay.sink + lay.chunk <= dict(lay.params)["budget"] <= lay.sink + lay.window - lay.chunk
+
+
+class _Newest(FixedBudget):
+    """A policy the library does not have: evict the oldest held tokens first."""
+
+    name = "fuzz-newest"
+    needs_queries = False
+
+    def priority(self, scores: Scores) -> torch.Tensor:
+        return scores.positions.double()
+
+
+def test_a_policy_added_to_the_registry_is_fuzzed_with_no_edit(monkeypatch):
+    monkeypatch.setitem(POLICIES, _Newest.name, _Newest)
+    assert {"fuzz-newest", "certified-fuzz-newest", "twotier-fuzz-newest"} <= set(kinds())
+    res = _sample(lambda lay: lay.policy == "fuzz-newest", 6, seed=4)
+    assert set(res.kinds) == {"fuzz-newest", "certified-fuzz-newest", "twotier-fuzz-newest"}, res.kinds
+    assert res.certified_nontrivial_rows > 0
+    assert (res.state_changes_after_rejection, res.bad_calls_accepted, res.mismatches,
+            res.certificate_undercounts) == (0, 0, 0, 0), res.failures
 
 
 def test_it_catches_a_ring_that_writes_the_wrong_slot(monkeypatch):
@@ -27,20 +84,75 @@ def test_it_catches_a_ring_that_writes_the_wrong_slot(monkeypatch):
         self._stage.add_(1).remainder_(self.layout.capacity)
 
     monkeypatch.setattr(Ring, "_plan", off_by_one)
-    rng = random.Random(3)
-    res = FuzzResult()
-    with torch.no_grad():
-        while res.layouts < 40:
-            lay = draw_layout(rng)
-            if lay.kind == "ring" and lay.window > lay.chunk:
-                fuzz_layout(lay, rng, res)
+    res = _sample(lambda lay: lay.kind == "ring" and lay.window > lay.chunk, 10, seed=3)
     assert res.mismatches > 0
+
+
+# certified layouts without recall (the recall slots' own finding is tests/test_fuzz_findings.py),
+# with the fault observer after the certifier: a veto comes after the certifier's prepare
+def _boxes(lay):
+    return lay.kind.startswith("certified-") and lay.recall_slots == 0
+
+
+def test_it_catches_a_certifier_that_records_an_eviction_when_it_is_announced(monkeypatch):
+    """Control: the old behaviour (record in prepare, before the change is applied). A veto or a
+    refusing branch then leaves the certifier changed, and the retry records the tokens twice."""
+    clean = _sample(_boxes, 4, seed=3, fault_first=False)
+    assert (clean.state_changes_after_rejection, clean.certificate_undercounts) == (0, 0), clean.failures
+    prepare = Certifier.prepare
+
+    def eager(self, change):
+        if change.eviction is not None and self.broken is None:
+            self._record(self._capture(change.eviction))
+            return None
+        return prepare(self, change)
+
+    monkeypatch.setattr(Certifier, "prepare", eager)
+    res = _sample(_boxes, 4, seed=3, fault_first=False)
+    assert res.state_changes_after_rejection > 0 and res.certificate_undercounts > 0, res.failures
+
+
+def test_it_catches_a_certifier_that_misses_an_eviction(monkeypatch):
+    """Control: every other applied eviction is not recorded: the summaries no longer cover what
+    left, and the history check must count it."""
+    record, seen = Certifier._record, []
+
+    def lossy(self, captured):
+        seen.append(1)
+        if len(seen) % 2:
+            record(self, captured)
+
+    monkeypatch.setattr(Certifier, "_record", lossy)
+    res = _sample(_boxes, 4, seed=6)
+    assert res.certificate_undercounts > 0 and res.certified_nontrivial_rows > 0
+
+
+def test_it_catches_an_observer_failure_that_stops_the_others_being_told(monkeypatch):
+    """Control: after a change was applied, an observer raises and the observers after it are
+    not told (the message still says the change stands). The certifier after the fault then
+    misses the change: the state differs from the fault-free twin's."""
+
+    tell_all = Observers.tell
+
+    def tell(self, change, actions):  # one observer at a time: the first failure ends the telling
+        members = self.members
+        try:
+            for obs, action in zip(list(members), actions):
+                self.members = [obs]
+                tell_all(self, change, [action])
+        finally:
+            self.members = members
+
+    monkeypatch.setattr(Observers, "tell", tell)
+    res = _sample(_boxes, 6, seed=8, fault_first=True)
+    assert res.mismatches > 0 and any("the twin's" in f for f in res.failures), res.failures
 
 
 def test_cli_writes_the_counts(tmp_path):
     out = tmp_path / "f.json"
-    assert main(["fuzz", "--layouts", "20", "--seed", "1", "--json", str(out)]) == 0
+    assert main(["fuzz", "--layouts", "8", "--seed", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["layouts"] == 20 and data["calls"] == 600
+    assert data["layouts"] == 8 and data["calls"] == 240
     assert data["state_changes_after_rejection"] == 0 and data["mismatches"] == 0 and data["rejected_calls"] > 0
-    assert {"seconds", "bad_calls_accepted", "kinds", "versions"} <= set(data)
+    assert data["certificate_undercounts"] == 0 and data["certified_layouts"] > 0 and data["observer_faults"] > 0
+    assert {"seconds", "bad_calls_accepted", "kinds", "versions", "observer_fault_kinds"} <= set(data)

@@ -5,6 +5,9 @@ streamkv object it reaches (its storage, its policy, its observers such as a cer
 summaries, nested caches), cloning every tensor and recording its ``data_ptr``;
 :func:`same_state` compares two snapshots (tensor data, addresses and dtypes; host values;
 foreign objects by identity). A cache's memo of its reads (``Reads._memo``: derived views) is left out.
+``same_state(a, b, addresses=False)`` compares the state of two different objects (a cache and
+its ``copy.deepcopy`` twin that ran the same calls): data, shapes, dtypes and host values, not
+buffer addresses nor the identity of functions and foreign objects.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ def snapshot(obj: Any, _seen: set[int] | None = None) -> dict[str, Any]:
     return {name: _snap(value, seen) for name, value in sorted(vars(obj).items()) if name != "_memo"}
 
 
+_ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
 def _snap(value: Any, seen: set[int]) -> Any:
+    if isinstance(value, _ATOMS):
+        return ("value", value)  # immutable: no copy needed
     if isinstance(value, torch.Tensor):
         return ("tensor", value.data_ptr(), value.detach().clone())
     if type(value).__module__.startswith("streamkv") and hasattr(value, "__dict__"):
@@ -38,13 +46,14 @@ def _snap(value: Any, seen: set[int]) -> Any:
     return ("value", copy.deepcopy(value))
 
 
-def same_state(before: Any, after: Any, path: str = "") -> str | None:
-    """None when the snapshots are equal; else the path of the first difference and what changed."""
+def same_state(before: Any, after: Any, path: str = "", *, addresses: bool = True) -> str | None:
+    """None when the snapshots are equal; else the path of the first difference and what changed.
+    ``addresses=False``: ignore ``data_ptr`` and object identity (see the module docstring)."""
     if isinstance(before, dict):
         if not isinstance(after, dict) or before.keys() != after.keys():
             return f"{path}: attributes changed"
         for k in before:
-            diff = same_state(before[k], after[k], f"{path}.{k}")
+            diff = same_state(before[k], after[k], f"{path}.{k}", addresses=addresses)
             if diff:
                 return diff
         return None
@@ -53,7 +62,7 @@ def same_state(before: Any, after: Any, path: str = "") -> str | None:
     if kind != kind2:
         return f"{path}: {kind} -> {kind2}"
     if kind == "tensor":
-        if a[0] != b[0]:
+        if addresses and a[0] != b[0]:
             return f"{path}: data_ptr changed"
         x, y = a[1], b[1]
         same = x.shape == y.shape and x.dtype == y.dtype
@@ -63,17 +72,19 @@ def same_state(before: Any, after: Any, path: str = "") -> str | None:
             same = torch.equal(x, y)
         return None if same else f"{path} changed"
     if kind == "obj":
-        return same_state(a[0], b[0], path)
+        return same_state(a[0], b[0], path, addresses=addresses)
     if kind == "seq":
         if a[0] != b[0] or len(a[1]) != len(b[1]):
             return f"{path}: length changed"
         for i, (x, y) in enumerate(zip(a[1], b[1])):
-            diff = same_state(x, y, f"{path}[{i}]")
+            diff = same_state(x, y, f"{path}[{i}]", addresses=addresses)
             if diff:
                 return diff
         return None
     if kind == "dict":
-        return same_state(a[0], b[0], path)
+        return same_state(a[0], b[0], path, addresses=addresses)
+    if kind == "identity" and not addresses:
+        return None
     return None if a == b else f"{path}: {a!r} -> {b!r}"
 
 

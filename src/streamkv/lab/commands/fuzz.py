@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
                           progress=lambda i: progress.update(task, completed=i), positions=args.positions)
     data = result.to_json()
     for key in ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
-                "mismatches"):
+                "mismatches", "certified_layouts", "observer_faults", "certificate_undercounts"):
         console.print(f"{key:>30}: {data[key]:,}")
     console.print(f"{'seconds':>30}: {data['seconds']:.1f}")
     console.print(f"{'layouts per kind':>30}: {data['kinds']}")
@@ -39,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, {"seed": args.seed, "calls_per_layout": args.calls, **data, "versions": environment()})
     if args.json:
         console.print(f"wrote {args.json}")
-    bad = data["state_changes_after_rejection"] + data["bad_calls_accepted"] + data["mismatches"]
+    bad = (data["state_changes_after_rejection"] + data["bad_calls_accepted"] + data["mismatches"]
+           + data["certificate_undercounts"])
     return 1 if bad else 0
