@@ -28,6 +28,7 @@ Nothing here decides which slots a chunk gets: that is a policy's job
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -272,6 +273,16 @@ class KVStorage:
         return any(_overlap(t, b) for b in self._own)
 
     # ----------------------------------------------------------------- writes
+    #: the open span's slots as host ``(first slot, rows)`` ranges in row order, when the policy
+    #: knows them without reading the device (the ring sets them at each begin: one range, or
+    #: two where the span wraps); they are the slots ``plan`` holds. Eager writes then copy
+    #: slices there (the floor's ``narrow(...).copy_``); a traced (``torch.compile``) or captured
+    #: (CUDA graph) write never reads them and follows ``plan``, so that it writes the slots of
+    #: whichever chunk is open when it runs. None: every write follows ``plan``.
+    eager_ranges: tuple[tuple[int, int], ...] | None = None
+    #: False: eager writes follow ``plan`` as well (the index path; tests and benchmarks compare)
+    eager_slices: bool = True
+
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Copy one layer's rows of the open span (``n <= chunk`` rows at ``seq_dim``) into the
         first ``n`` planned slots (inputs already checked)."""
@@ -280,10 +291,14 @@ class KVStorage:
             start = self.write_start
             self.keys[layer].narrow(self.seq_dim, start, n).copy_(k)
             self.values[layer].narrow(self.seq_dim, start, n).copy_(v)
+        elif self._host_ranges(n) is not None:
+            self._write_ranges(layer, k, v, self.eager_ranges)
         elif not self.per_head or self.head_dim is None:
             slots = self.plan[layer if self.per_head else 0, 0]
             if n != self.chunk:
                 slots = slots[:n]
+            if torch.compiler.is_compiling() and self._write_traced(layer, k, v, slots):
+                return
             # the int64 view helps the eager CPU kernel; a compiled step generates its own
             # kernel (and cannot inspect a traced tensor's storage offset)
             eager = not torch.compiler.is_compiling()
@@ -298,6 +313,56 @@ class KVStorage:
             idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
             self.keys[layer].permute(self._perm).index_put_(idx, k.permute(self._perm))
             self.values[layer].permute(self._perm).index_put_(idx, v.permute(self._perm))
+
+    def _host_ranges(self, n: int) -> tuple[tuple[int, int], ...] | None:
+        """``eager_ranges`` when this write may use them: eager (not traced by ``torch.compile``,
+        not captured into a CUDA graph), enabled, and covering exactly the ``n`` rows."""
+        if torch.compiler.is_compiling():
+            return None  # checked first: a traced step must not read (and guard on) a host offset
+        ranges = self.eager_ranges
+        if ranges is None or not self.eager_slices:
+            return None
+        if self.keys.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a graph replays later chunks: it must read their slots from ``plan``
+        if len(ranges) == 1:
+            return ranges if ranges[0][1] == n else None
+        return ranges if sum(m for _, m in ranges) == n else None
+
+    def _write_ranges(self, layer: int, k: Tensor, v: Tensor, ranges: tuple[tuple[int, int], ...]) -> None:
+        """The eager write at host offsets: one ``narrow(...).copy_`` per range and tensor."""
+        seq = self.seq_dim
+        if len(ranges) == 1:
+            a, n = ranges[0]
+            self.keys[layer].narrow(seq, a, n).copy_(k)
+            self.values[layer].narrow(seq, a, n).copy_(v)
+            return
+        keys, values = self.keys[layer], self.values[layer]
+        at = 0
+        for a, m in ranges:
+            keys.narrow(seq, a, m).copy_(k.narrow(seq, at, m))
+            values.narrow(seq, a, m).copy_(v.narrow(seq, at, m))
+            at += m
+
+    def _write_traced(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> bool:
+        """The shared-plan write inside a ``torch.compile`` trace: ``index_copy_`` into each buffer
+        flattened through its token dimension (a view), at ``(layer, leading index) * S + slot``
+        from the device plan. Inductor writes that in place; through a ``select`` of the layer it
+        copied the whole layer buffer into a temporary per call (measured on CPU). False (the
+        caller writes through the layer's view) when a buffer's leading dims do not flatten
+        into a view."""
+        seq = self.seq_dim + 1  # the token dim of the [L, *shape] buffers
+        flats = []
+        for buf in (self.keys, self.values):
+            shape, stride = buf.shape, buf.stride()
+            if any(stride[d] != stride[d + 1] * shape[d + 1] for d in range(seq)):
+                return False
+            flats.append(buf.flatten(0, seq))
+        lead, S = math.prod(self.k_shape[: self.seq_dim]), self.slots
+        idx = slots if lead == 1 else (torch.arange(lead, device=slots.device)[:, None] * S + slots).reshape(-1)
+        idx = idx + layer * lead * S
+        for flat, x in zip(flats, (k, v)):
+            flat.index_copy_(0, idx, x.flatten(0, seq - 1) if seq > 1 else x)
+        return True
 
     def shift(self, dst: int, src: int, n: int) -> None:
         """Move slots ``[src, src + n)`` to ``[dst, dst + n)`` in every layer, positions too
