@@ -310,6 +310,8 @@ class KVStorage:
                     buf[layer].index_copy_(self.seq_dim, slots, x)
         else:
             plan = self.plan[layer] if n == self.chunk else self.plan[layer, :, :n]
+            if torch.compiler.is_compiling() and self._write_traced_per_head(layer, k, v, plan):
+                return
             idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
             self.keys[layer].permute(self._perm).index_put_(idx, k.permute(self._perm))
             self.values[layer].permute(self._perm).index_put_(idx, v.permute(self._perm))
@@ -351,17 +353,54 @@ class KVStorage:
         caller writes through the layer's view) when a buffer's leading dims do not flatten
         into a view."""
         seq = self.seq_dim + 1  # the token dim of the [L, *shape] buffers
-        flats = []
-        for buf in (self.keys, self.values):
-            shape, stride = buf.shape, buf.stride()
-            if any(stride[d] != stride[d + 1] * shape[d + 1] for d in range(seq)):
-                return False
-            flats.append(buf.flatten(0, seq))
+        flats = self._flat_buffers()
+        if flats is None:
+            return False
         lead, S = math.prod(self.k_shape[: self.seq_dim]), self.slots
         idx = slots if lead == 1 else (torch.arange(lead, device=slots.device)[:, None] * S + slots).reshape(-1)
         idx = idx + layer * lead * S
         for flat, x in zip(flats, (k, v)):
             flat.index_copy_(0, idx, x.flatten(0, seq - 1) if seq > 1 else x)
+        return True
+
+    def _flat_buffers(self) -> list[Tensor] | None:
+        """K and V flattened through the token dim (views), or None where that is not a view."""
+        seq = self.seq_dim + 1
+        flats = []
+        for buf in (self.keys, self.values):
+            shape, stride = buf.shape, buf.stride()
+            if any(stride[d] != stride[d + 1] * shape[d + 1] for d in range(seq)):
+                return None
+            flats.append(buf.flatten(0, seq))
+        return flats
+
+    def _write_traced_per_head(self, layer: int, k: Tensor, v: Tensor, plan: Tensor) -> bool:
+        """The per-head write inside a ``torch.compile`` trace, in place (as :meth:`_write_traced`):
+        into the buffers flattened through the token dim, each (row, head) at its flat index from
+        the device plan ``[H, n]``. Layouts with the head dim before the token dim, or right after
+        it; False (the caller writes through the layer's view) otherwise."""
+        seq, head = self.seq_dim, self.head_dim
+        if not (head < seq or head == seq + 1):
+            return False
+        flats = self._flat_buffers()
+        if flats is None:
+            return False
+        lead_shape = self.k_shape[:seq]
+        lead, S, n, H = math.prod(lead_shape), self.slots, plan.shape[-1], self.heads
+        base = torch.arange(lead, device=plan.device) * S + layer * lead * S
+        if head < seq:  # [..., H, ..., n]: one flat index per (leading coordinates, row)
+            shape = [1] * (seq + 1)
+            shape[head] = H
+            shape[seq] = n
+            idx = base.view(*lead_shape, 1) + plan.reshape(shape)
+            for flat, x in zip(flats, (k, v)):
+                flat.index_copy_(0, idx.reshape(-1), x.flatten(0, seq) if seq else x)
+            return True
+        # [..., n, H, ...]: a flat index per (leading coordinates, row, head), and the head
+        idx = base.view(*lead_shape, 1, 1) + plan.transpose(0, 1)
+        heads = torch.arange(H, device=plan.device)
+        for flat, x in zip(flats, (k, v)):
+            flat.index_put_((idx, heads), x)
         return True
 
     def shift(self, dst: int, src: int, n: int) -> None:
