@@ -30,6 +30,7 @@ counts of a one-kernel read do not depend on them; the attention's cost does).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -311,14 +312,11 @@ def count_subject(subject: CountSubject, device: torch.device | str, *, compiled
     out: dict[str, Any] = {"phases": {}}
     with torch.no_grad():
         total = None
-        for name, fn in subject.phases:  # one chunk, phase by phase
+        for name, fn in subject.phases:  # one chunk, phase by phase: the step is their sum
             c = count_dispatch(fn, device=device)
             out["phases"][name] = c.to_dict()
             total = c if total is None else _add(total, c)
-        step = count_dispatch(subject.step, device=device)  # the next chunk, whole
-        out["step"] = step.to_dict()
-        out["phases_sum_equals_step"] = (total.ops, total.host_syncs, total.allocations) == (
-            step.ops, step.host_syncs, step.allocations)
+        out["step"] = total.to_dict()
         out["written"] = count_written_bytes(subject.step, subject.storages).to_dict()
         out["allocator"] = probe_transient(subject.step, device, steps=1).to_dict()
         # the read, on an open chunk (between the write and the scores / commit)
@@ -410,30 +408,36 @@ def count_preset(preset: Preset, device: torch.device | str, *, subjects: tuple[
     return {"subjects": per, "notes": notes}
 
 
-def write_ops_by_window(preset: Preset, device: torch.device | str, windows: tuple[int, ...] = (6, 12, 21, 42, 63, 126),
+def write_ops_by_window(preset: Preset, device: torch.device | str, multiples: tuple[int, ...] = (2, 4, 7, 14, 21, 42),
                         key: str = "ring") -> dict[str, Any]:
-    """Dispatched ops of one layer write (and of begin) at each window (frames), the preset's
-    chunk and sink, at 8 tokens per frame and one 8-wide head (op counts do not depend on tensor
-    sizes, only on the layout): the most over one whole ring cycle of chunks per window."""
+    """Dispatched ops of one layer write (and of begin) at windows of ``multiples`` chunks (for
+    3-frame chunks: 6 to 126 frames), the preset's chunk and sink, at 8 tokens per frame and one
+    8-wide head (op counts depend on the layout, not on tensor sizes): the most over one whole
+    ring cycle of chunks per window. Whole-chunk windows never wrap a chunk (the presets' case);
+    ``wrap_write_ops``: the same at a window one frame longer than the largest, where chunks
+    wrap (a wrapping span is two slices, or below ``wrap_slices_min_bytes`` the indexed write)."""
     device = check_device(device)
     small = Preset(f"{preset.name}-small", window_frames=preset.window_frames, chunk_frames=preset.chunk_frames,
-                   sink_frames=preset.sink_frames, tokens_per_frame=8, heads=1, head_dim=8, dtype=preset.dtype)
-    write_ops: dict[int, int] = {}
-    begin_ops: dict[int, int] = {}
-    for w in windows:
-        if w < preset.chunk_frames:
-            continue
-        p = small.with_window(w)
+                   sink_frames=0, tokens_per_frame=8, heads=1, head_dim=8, dtype=preset.dtype)
+    small = dataclasses.replace(small, sink_frames=preset.sink_frames if preset.sink_frames % preset.chunk_frames == 0
+                                else 0)
+
+    def worst(p: Preset) -> tuple[int, int]:
         subject, _ = build_count_subject(key, p, device)
-        cycle = max(1, p.window // p.chunk)
+        cycle = max(1, p.window // p.chunk) + 1
         worst_w = worst_b = 0
         with torch.no_grad():
-            for _ in range(cycle + 1):
+            for _ in range(cycle):
                 ph = dict(subject.phases)
                 worst_b = max(worst_b, count_dispatch(ph["begin"], device=device).ops)
                 worst_w = max(worst_w, count_dispatch(ph["write"], device=device).ops)
                 ph["commit"]()
-        write_ops[w], begin_ops[w] = worst_w, worst_b
-    vals = list(write_ops.values())
-    return {"subject": key, "windows_frames": list(write_ops), "write_ops": list(write_ops.values()),
-            "begin_ops": list(begin_ops.values()), "constant": len(set(vals)) == 1}
+        return worst_w, worst_b
+
+    windows = [m * preset.chunk_frames for m in multiples]
+    got = [worst(small.with_window(w)) for w in windows]
+    wrap_w, wrap_b = worst(small.with_window(windows[-1] + 1))
+    ops = [w for w, _ in got]
+    return {"subject": key, "windows_frames": windows, "write_ops": ops, "begin_ops": [b for _, b in got],
+            "constant": len(set(ops)) == 1 and len({b for _, b in got}) == 1,
+            "wrap_window_frames": windows[-1] + 1, "wrap_write_ops": wrap_w, "wrap_begin_ops": wrap_b}
