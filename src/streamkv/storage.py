@@ -321,6 +321,13 @@ class KVStorage:
             self.keys[layer].permute(self._perm).index_put_(idx, k.permute(self._perm))
             self.values[layer].permute(self._perm).index_put_(idx, v.permute(self._perm))
 
+    def enable_eager_ranges(self) -> None:
+        """For a policy that sets ``eager_ranges`` (the ring, at bind): none yet, and each layer's
+        K and V views kept once, so that an eager write is one ``narrow`` and one ``copy_`` per
+        range and tensor (a ``select`` per call was a third of the tiny DiT's write)."""
+        self.eager_ranges = None
+        self._layer_kv = tuple((self.keys[i], self.values[i]) for i in range(self.num_layers))
+
     def _host_ranges(self, n: int, k: Tensor) -> tuple[tuple[int, int], ...] | None:
         """``eager_ranges`` when this write may use them: eager (not traced by ``torch.compile``,
         not captured into a CUDA graph), enabled, covering exactly the ``n`` rows, and one range
@@ -341,12 +348,13 @@ class KVStorage:
     def _write_ranges(self, layer: int, k: Tensor, v: Tensor, ranges: tuple[tuple[int, int], ...]) -> None:
         """The eager write at host offsets: one ``narrow(...).copy_`` per range and tensor."""
         seq = self.seq_dim
+        views = self.__dict__.get("_layer_kv")
+        keys, values = views[layer] if views is not None else (self.keys[layer], self.values[layer])
         if len(ranges) == 1:
             a, n = ranges[0]
-            self.keys[layer].narrow(seq, a, n).copy_(k)
-            self.values[layer].narrow(seq, a, n).copy_(v)
+            keys.narrow(seq, a, n).copy_(k)
+            values.narrow(seq, a, n).copy_(v)
             return
-        keys, values = self.keys[layer], self.values[layer]
         at = 0
         for a, m in ranges:
             keys.narrow(seq, a, m).copy_(k.narrow(seq, at, m))
