@@ -385,8 +385,10 @@ def _count_compiled(subject: CountSubject, device: torch.device, backend: str, c
 
 def count_preset(preset: Preset, device: torch.device | str, *, subjects: tuple[str, ...] = COUNT_SUBJECTS,
                  compiled: bool = True, compile_backend: str = "inductor", seed: int = 0,
+                 compiled_subjects: tuple[str, ...] | None = None,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Counts of every subject at ``preset`` (one at a time: each is freed before the next)."""
+    """Counts of every subject at ``preset`` (one at a time: each is freed before the next);
+    ``compiled_subjects``: those whose write is compiled too (default: every one that can be)."""
     device = check_device(device)
     per: dict[str, Any] = {}
     notes: list[str] = []
@@ -399,7 +401,8 @@ def count_preset(preset: Preset, device: torch.device | str, *, subjects: tuple[
             notes.append(f"counts: {key} skipped: {why}")
             continue
         try:
-            per[key] = count_subject(subject, device, compiled=compiled, compile_backend=compile_backend)
+            per[key] = count_subject(subject, device, compile_backend=compile_backend,
+                                     compiled=compiled and (compiled_subjects is None or key in compiled_subjects))
         finally:
             del subject
             gc.collect()
