@@ -421,7 +421,7 @@ def write_ops_by_window(preset: Preset, device: torch.device | str, multiples: t
     wrap (a wrapping span is two slices, or below ``wrap_slices_min_bytes`` the indexed write)."""
     device = check_device(device)
     small = Preset(f"{preset.name}-small", window_frames=preset.window_frames, chunk_frames=preset.chunk_frames,
-                   sink_frames=0, tokens_per_frame=8, heads=1, head_dim=8, dtype=preset.dtype)
+                   sink_frames=0, tokens_per_frame=8, heads=1, head_dim=8, dtype=preset.dtype, scaling_windows=())
     small = dataclasses.replace(small, sink_frames=preset.sink_frames if preset.sink_frames % preset.chunk_frames == 0
                                 else 0)
 
