@@ -64,7 +64,7 @@ def test_ring_write_ops_do_not_depend_on_the_window():
     for preset in (TINY, ALIGNED):
         w = write_ops_by_window(preset, "cpu", multiples=(1, 2, 3, 6, 20))
         assert w["constant"] and len(set(w["begin_ops"])) == 1, w
-        assert w["wrap_write_ops"] <= 2 * w["write_ops"][0], w  # a wrap: bounded, not a per-row loop
+        assert w["wrap_write_ops"] <= 3 * w["write_ops"][0], w  # a wrap: bounded, not a per-row loop
     from streamkv.lab.bench import PRESETS
 
     assert write_ops_by_window(PRESETS["longlive2"], "cpu", multiples=(2, 3))["constant"]  # 8-frame chunks
