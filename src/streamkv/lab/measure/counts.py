@@ -261,6 +261,8 @@ def count_compiled(fn: Callable[..., Any], calls: Iterable[Callable[[Callable[..
     each is handed the compiled function and calls it (e.g. begin a chunk eagerly, call it,
     commit). The first call is the warm-up. Returns the compiled function and its counts.
     ``backend``: ``"inductor"`` or ``"aot_eager"`` (the same graph, run op by op)."""
+    import contextlib
+
     import torch._dynamo
 
     rec = _Recorder(backend)
@@ -268,11 +270,23 @@ def count_compiled(fn: Callable[..., Any], calls: Iterable[Callable[[Callable[..
     calls = list(calls)
     if not calls:
         raise ValueError("count_compiled needs at least one call")
-    breaks0 = sum(torch._dynamo.utils.counters["graph_break"].values())
-    calls[0](compiled)
-    warm = len(rec.graphs)
-    for call in calls[1:]:
-        call(compiled)
+    counters = torch._dynamo.utils.counters
+    breaks0 = sum(counters["graph_break"].values())
+    with contextlib.ExitStack() as stack:  # compile afresh: a cache hit would hand the recorder no graph
+        try:
+            import torch._functorch.config as functorch_config
+            import torch._inductor.config as inductor_config
+
+            stack.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
+            stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+        except (ImportError, AttributeError, RuntimeError):  # a torch without these switches: counts may be empty
+            pass
+        unique0 = counters["stats"]["unique_graphs"]
+        calls[0](compiled)
+        warm = counters["stats"]["unique_graphs"] - unique0
+        for call in calls[1:]:
+            call(compiled)
+        frames = counters["stats"]["unique_graphs"] - unique0
     graph = rec.graphs[-1] if rec.graphs else None
     by_op: dict[str, int] = {}
     syncs = 0
@@ -287,7 +301,7 @@ def count_compiled(fn: Callable[..., Any], calls: Iterable[Callable[[Callable[..
                     torch.Tag.dynamic_output_shape in tags and name not in _BOOL_INDEXED):
                 syncs += 1
     return compiled, CompiledCounts(
-        graphs=len(rec.graphs), recompiles=len(rec.graphs) - warm,
+        graphs=frames, recompiles=frames - warm,
         graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks0,
         graph_ops=sum(by_op.values()), graph_syncs=syncs, by_op=by_op, backend=backend,
     )
