@@ -233,13 +233,16 @@ def test_time_interleaved_times_every_step_repeats_times():
 # ======================================================================= targets
 def test_targets_verdicts():
     rec = {
-        "ratio_flashdreams_over_ring": 6.0, "ratio_ring_over_floor": 1.5,
+        "ratio_flashdreams_over_ring": 45.0, "ratio_ring_over_floor": 1.5, "ratio_current_over_ring": 0.5,
         "scaling": {"growth_63_over_21": {"ring": 1.1}},
         "transient_bytes": {"ring": {"allocated_bytes": 8}},
     }
     t = evaluate_targets(rec)
     assert t["flashdreams_over_ring"]["met"] is True
     assert t["ring_over_floor"]["met"] is False
+    assert t["ring_over_current"]["met"] is False and t["ring_over_current"]["value"] == 2.0
+    assert evaluate_targets({**rec, "ratio_flashdreams_over_ring": 39.0})["flashdreams_over_ring"]["met"] is False
+    assert evaluate_targets({**rec, "ratio_ring_over_floor": 1.04})["ring_over_floor"]["met"] is True
     assert t["ring_growth_63_over_21"]["met"] is True
     assert t["ring_transient_bytes"]["met"] is False and t["ring_transient_bytes"]["value"] == 8
     assert not any(v["contended"] for v in t.values())
@@ -248,6 +251,15 @@ def test_targets_verdicts():
     t = evaluate_targets(rec)
     assert t["ring_over_floor"]["contended"] and t["flashdreams_over_ring"]["contended"]
     assert not t["ring_transient_bytes"]["contended"] and not t["ring_growth_63_over_21"]["contended"]
+    counted = {"ops_per_chunk": {"ring": 14}, "host_syncs_per_chunk": {"ring": 0},
+               "host_syncs_per_chunk_compiled": {"ring": 1}, "allocations_per_chunk": {"ring": 0},
+               "allocations_per_chunk_compiled": {"ring": 0}, "allocator_events_per_chunk": {"ring": 0},
+               "ring_write_ops_by_window": {"write_ops": [6, 6, 7]}, "sglang": {"ratio_sglang_over_sglang_ring": 12.0}}
+    t = evaluate_targets(counted)
+    assert t["ring_host_syncs"]["met"] is False and t["ring_host_syncs"]["value"] == 1  # the compiled one counts
+    assert t["ring_allocations"]["met"] is True
+    assert t["ring_write_ops_spread"]["met"] is False and t["ring_write_ops_spread"]["value"] == 1
+    assert t["sglang_over_drop_in"]["met"] is True
     rec["scaling"].update(windows_frames=[21, 42, 63], contended_included={"ring": [False, False, True]})
     assert evaluate_targets(rec)["ring_growth_63_over_21"]["contended"]
 

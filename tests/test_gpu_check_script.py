@@ -1,7 +1,9 @@
 """scripts/gpu_check.py runs on a GPU only when a task has one; keep its CPU-runnable
-sections from rotting: import it and run them on the CPU."""
+sections from rotting: import it and run them on the CPU, and run its ``--dry-run`` (every
+path the GPU run calls, at small shapes) end to end."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -31,3 +33,31 @@ def test_cpu_sections_of_the_gpu_script_run():
     statuses = {name: status for name, status, _ in mod.RESULTS}
     assert statuses["graph replay of ring writes"] == "SKIP"
     assert "FAIL" not in statuses.values()
+
+
+def test_the_dry_run_exercises_every_section_and_prints_one_json(tmp_path, capsys):
+    mod = _load()
+    out = tmp_path / "gpu_check.json"
+    assert mod.main(["--dry-run", "--json", str(out), "--budget-s", "100000"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(printed[-1])  # the last line: the whole report, one JSON object
+    assert report == json.loads(out.read_text())
+    assert report["dry_run"] and report["compile_backend"] == "aot_eager"
+    for key in ("write_paths", "rollouts", "maintenance", "issue21", "rollout_latency", "two_tier", "checks"):
+        assert key in report, key
+    wp = report["write_paths"]
+    assert wp["wrapping_chunks"] > 0 and not any(wp["mismatching_chunks"].values())
+    assert wp["recompiles_after_warmup"] == 0 and all(v["ok"] for v in wp["syncs"].values())
+    fig = report["issue21"]
+    from streamkv.lab.kinds import scored_kinds
+    assert set(fig["presets"]) == set(mod.ISSUE_PRESETS) and set(fig["counts"]) == set(mod.ISSUE_PRESETS)
+    assert fig["counts"]["self-forcing"]["ring"]["compiled"] is not None  # the compiled counts ran
+    assert {"sglang", "sglang_ring", "flashdreams", "flashdreams_ring", *scored_kinds()} <= set(
+        fig["counts"]["krea-realtime-14b"])
+    assert fig["presets"]["longlive2"]["sglang"]["maintenance_ms"]["sglang_ring"] > 0
+    assert set(fig["scored"]["kinds"]) == set(scored_kinds())  # every scored kind of the registry
+    assert fig["bandwidth"]["gb_per_s"]["ring write (graph replay)"] > 0
+    statuses = {c["check"]: c["status"] for c in report["checks"]}
+    assert "FAIL" not in statuses.values(), [c for c in report["checks"] if c["status"] == "FAIL"]
+    assert statuses["write paths agree (bf16, fills, wraps, reset)"] == "PASS"
+    assert statuses["steady ring chunk, graph replay: 0 host syncs"] == "PASS"

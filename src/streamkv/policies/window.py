@@ -11,10 +11,13 @@ the tokens lie (``sink=2, window=4, chunk=3``; slot contents are positions)::
             chrono   0 1 | 8  9  10 11
 
 The ring's position ``p >= sink`` lives at slot ``sink + (p - sink) % window`` forever; its
-per-chunk work is ``C`` rows of K/V and ``C`` entries of metadata, planned on the device
-without allocating (``fill_``/``clamp_`` take Python scalars unwrapped; ``sub_``/``remainder_``
-take preallocated 0-dim tensors: a Python int there would be wrapped in a fresh 8-byte tensor
-per call). The chronological path clones and shifts the ``window - chunk`` retained tokens
+per-chunk work is ``C`` rows of K/V and ``C`` entries of metadata. A span's slots are one
+range of consecutive slots, or two where it wraps, known on the host from that formula: the
+plan is written on the device without allocating or reading it back (``fill_`` takes the
+range's first slot as a Python scalar, unwrapped, then ``add_`` of a preallocated ``arange``:
+a Python int in ``add_`` would be wrapped in a fresh 8-byte tensor per call), and the same
+ranges go to the storage (``eager_ranges``) so that an eager write copies slices there, as the
+floor does; compiled and captured writes follow the device plan. The chronological path clones and shifts the ``window - chunk`` retained tokens
 of every layer on overflow (flashdreams 0.1.0's ``BlockKVCache``, extended to any sizes) and
 writes at a host-int offset, so a CUDA graph is only valid for it once the cache is full.
 """
@@ -81,6 +84,24 @@ class _Window(SlotPolicy):
                 )
 
 
+class _LazySlotsStep(Step):
+    """A :class:`Step` whose ``evicted_slots`` is given as a function and built on first read:
+    the cache reads it only to tell observers, and a ring's begin at the presets evicts
+    thousands of slots (building the tuple every begin cost 0.5 ms at longlive2, a tenth of the
+    chunk's copy)."""
+
+    @property  # type: ignore[override]
+    def evicted_slots(self) -> tuple[int, ...] | None:
+        got = self.__dict__["_evicted_slots"]
+        if callable(got):
+            got = self.__dict__["_evicted_slots"] = got()
+        return got
+
+    @evicted_slots.setter
+    def evicted_slots(self, value: object) -> None:  # the dataclass's __init__ sets it once
+        self.__dict__["_evicted_slots"] = value
+
+
 class Ring(_Window):
     """Circular storage with pinned sinks: a new chunk overwrites the oldest window slots."""
 
@@ -94,49 +115,73 @@ class Ring(_Window):
 
     def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
         super().bind(storage, layout, lifecycle)
-        dev = storage.device
-        self._stage = torch.zeros(layout.chunk, dtype=torch.long, device=dev)
-        self._scratch = torch.zeros(layout.chunk, dtype=torch.long, device=dev)
-        self._sink = torch.tensor(layout.sink, dtype=torch.long, device=dev)
-        self._window = torch.tensor(layout.window, dtype=torch.long, device=dev)
+        # the plan is staged in place (a view of the storage's shared plan): begin's apply writes
+        # it and nothing else reads it before then
+        self._stage = storage.plan.view(-1)
+        storage.enable_eager_ranges()  # set by each begin (and a load): the open span's host ranges
+
+    def _span_ranges(self, start: int, n: int) -> tuple[tuple[int, int], ...]:
+        """The slots of the span ``[start, start + n)`` as ``(first slot, rows)`` ranges in row
+        order (host arithmetic): ``slot = min(p, sink) + (max(p, sink) - sink) % window`` runs on
+        from ``ring_slot(start)`` and wraps to the first window slot at most once (``n <= window``)."""
+        L = self.layout
+        a, top = L.ring_slot(start), L.sink + L.window
+        if a + n <= top:
+            return ((a, n),)
+        return ((a, top - a), (L.sink, n - (top - a)))
 
     def _plan(self, start: int) -> None:
-        """Stage the positions ``start + i`` and their slots, on the device, in place:
-        ``slot = min(p, sink) + (max(p, sink) - sink) % window``."""
-        s = self.layout.sink
-        pos, slots = self._chunk_pos, self._stage
-        pos.fill_(start).add_(self._arange)
-        slots.copy_(pos).clamp_(min=s).sub_(self._sink).remainder_(self._window)
-        slots.add_(self._scratch.copy_(pos).clamp_(max=s))
+        """Stage the slots of the span starting at position ``start`` (its host ranges are
+        ``storage.eager_ranges``) in the storage's plan, on the device, in place and without
+        allocating: ``fill_`` (a Python scalar, unwrapped) then ``add_`` of a preallocated
+        ``arange``, once per range."""
+        ranges = self.storage.eager_ranges
+        stage, arange = self._stage, self._arange
+        at = 0
+        for a, m in ranges:
+            if at == 0 and m == stage.shape[0]:
+                stage.fill_(a).add_(arange)
+            else:
+                stage[at : at + m].fill_(a).add_(arange[:m])
+            at += m
 
     def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
-            return Step()  # the span's slots and positions are in place
+            return Step()  # the span's slots and positions are in place (and so are its ranges)
         storage = self.storage
-        stage = self._stage if n == self.layout.chunk else self._stage[:n]
+        full = n == self.layout.chunk
 
-        def apply() -> None:  # planned here: a refused begin touches no tensor, not even scratch
+        def apply() -> None:  # planned here: a refused begin touches no tensor
+            storage.eager_ranges = self._span_ranges(start, n)  # for eager writes, and for _plan
             self._plan(start)
-            storage.plan.view(-1)[:n].copy_(stage)
-            self._set_positions(stage, n)
+            stage = self._stage if full else self._stage[:n]
+            pos = self._chunk_pos if full else self._chunk_pos[:n]
+            pos.fill_(start).add_(self._arange if full else self._arange[:n])
+            storage.positions.index_copy_(-1, stage, pos.expand(*storage.positions.shape[:2], -1))
 
         # row i (position p) overwrites the slot of p - window, retained iff p - window >= sink:
         # the rows from position sink + window on, whose slots run on from ring_slot(first) and
         # wrap at most once (n <= chunk <= window); two ranges, no per-row host loop
         L = self.layout
         first, end = max(start, L.sink + L.window), start + n
-        slots: tuple[int, ...] = ()
-        if first < end:
-            a, top = L.ring_slot(first), L.sink + L.window
-            b = a + (end - first)
-            slots = tuple(range(a, min(b, top))) + tuple(range(L.sink, L.sink + max(0, b - top)))
+        if first >= end:
+            return Step(apply, None, ())
+        a, top = L.ring_slot(first), L.sink + L.window
+        b = a + (end - first)
+
+        def slots() -> tuple[int, ...]:  # built only when an observer asks (thousands of ints per chunk)
+            return tuple(range(a, min(b, top))) + tuple(range(L.sink, L.sink + max(0, b - top)))
 
         def evicted() -> Tensor:
             mask = empty_eviction(storage)
-            mask[..., list(slots)] = True
+            mask[..., a : min(b, top)] = True
+            mask[..., L.sink : L.sink + max(0, b - top)] = True
             return mask
 
-        return Step(apply, evicted if slots else None, slots)
+        return _LazySlotsStep(apply, evicted, slots)
+
+    def reset(self) -> None:
+        self.storage.eager_ranges = None  # nothing is open; the next begin plans chunk 0
 
     def chronological_slots(self, end: int) -> list[int]:
         return self.layout.ring_chronological_slots(end)
@@ -145,7 +190,9 @@ class Ring(_Window):
         return [self.layout.ring_slot(p) for p in range(start, start + n)]
 
     def after_load(self, end: int, span: int) -> None:
-        pass  # the write plan came with the state (checked against the layout arithmetic)
+        # the write plan came with the state (checked against the layout arithmetic); the host
+        # ranges of eager writes follow from the same arithmetic
+        self.storage.eager_ranges = self._span_ranges(end - span, span) if span else None
 
 
 class Chronological(_Window):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import sys
 from pathlib import Path
 
 __all__ = ["load_block_kv_cache", "flashdreams_version"]
@@ -33,6 +34,7 @@ def load_block_kv_cache() -> type | None:
         mod_spec.loader.exec_module(module)
     except ImportError:
         return None
+    sys.modules[mod_spec.name] = module  # importable by name: torch.compile traces the class's methods
     return getattr(module, "BlockKVCache", None)
 
 
@@ -65,6 +67,7 @@ def load_sglang_causal_kv_cache() -> type | None:
         mod_spec.loader.exec_module(module)
     except ImportError:
         return None
+    sys.modules[mod_spec.name] = module
     return getattr(module, "CausalSelfAttentionKVCache", None)
 
 

@@ -131,14 +131,21 @@ def _counted_line(rec: dict[str, Any]) -> str:
 def _targets_table(name: str, rec: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    t = Table(title=f"targets at {name} (they are set at self-forcing on the CPU; elsewhere for reference)",
+    t = Table(title=f"targets at {name} (the flashdreams ratio is set at self-forcing, the sglang one at the sglang "
+              f"presets, the rest at every preset)",
               title_justify="left")
     for col in ("target", "value", "threshold", "met"):
         t.add_column(col, justify="left" if col == "target" else "right")
+    from streamkv.lab.bench.suite import COUNT_TARGETS
+
     for key, tg in rec["targets"].items():
         v = tg["value"]
-        value = "-" if v is None else (f"{int(v):,} B" if key.endswith("bytes") else f"{v:.2f}x")
-        thr = f"{int(tg['threshold'])} B" if key.endswith("bytes") else f"{tg['threshold']:g}x"
+        if key.endswith("bytes"):
+            value, thr = ("-" if v is None else f"{int(v):,} B"), f"{int(tg['threshold'])} B"
+        elif key in COUNT_TARGETS:
+            value, thr = ("-" if v is None else f"{int(v):,}"), f"{int(tg['threshold'])}"
+        else:
+            value, thr = ("-" if v is None else f"{v:.2f}x"), f"{tg['threshold']:g}x"
         met = {True: "[green]yes[/]", False: "[red]no[/]", None: "not measured"}[tg["met"]]
         if tg.get("contended"):
             met += " [yellow](contended: rerun on a quiet machine)[/]"
@@ -172,6 +179,87 @@ def _scaling_table(name: str, sc: dict[str, Any]) -> Any:
     return t
 
 
+def _n(x: int | None) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+_READ_SHORT = {"one kernel over the buffer": "1 kernel", "explicit softmax over the buffer": "softmax"}
+
+
+def _counts_table(name: str, rec: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    from streamkv.lab.bench.counts import COUNT_LABELS
+
+    per = rec["counts"]["subjects"]
+    t = Table(
+        title=f"[b]{name}[/]: counted per steady chunk and layer (begin, one write, scores, commit) at the dispatcher; "
+        f"c. = the write under torch.compile ({rec['counts']['compile_backend']}), the rest eager",
+        title_justify="left",
+    )
+    for col in ("cache", "ops", "write", "syncs", "allocs", "allocator", "written", "read", "c. ops", "c. syncs",
+                "c. allocs", "recomp."):
+        t.add_column(col, justify="left" if col in ("cache", "read") else "right", no_wrap=True)
+    syncs: dict[str, str] = {}
+    for key, c in per.items():
+        if c is None:
+            t.add_row(key, "not run", *[""] * 10)
+            continue
+        st, cm = c["step"], c["compiled"]
+        w = c["phases"].get("write")
+        if st["syncs"]:
+            syncs[key] = ", ".join(f"{op} {n}" for op, n in st["syncs"].items())
+        read = c["read"]["attention"]
+        t.add_row(
+            key, str(st["ops"]), "-" if w is None else str(w["ops"]), str(st["host_syncs"]),
+            f"{st['allocations']} / {fmt_bytes(st['alloc_bytes'])}",
+            f"{c['allocator']['allocations']} / {fmt_bytes(c['allocator']['allocated_bytes'])}",
+            fmt_bytes(c["written"]["total"]), _READ_SHORT.get(read, read.replace("a copy first", "copy first")),
+            "-" if cm is None else str(cm["ops_per_chunk"]), "-" if cm is None else str(cm["host_syncs_per_chunk"]),
+            "-" if cm is None else f"{cm['allocations_per_chunk']} / {fmt_bytes(cm['alloc_bytes_per_chunk'])}",
+            "-" if cm is None else str(cm["recompiles"]),
+        )
+    caption = ("ops: dispatched aten ops (views included); write: ops of one layer write; syncs: host waits (.item(), "
+               ".tolist(), truth tests, nonzero, data-dependent shapes, device-to-host copies); allocs: new tensors "
+               "at the dispatcher / bytes; allocator: allocator events / bytes; written: bytes written (cache, "
+               "temporaries, metadata); read: attention over what the cache returns (1 kernel over the buffer, an "
+               "explicit softmax over it, or a copy first)")
+    if syncs:
+        caption += ". Syncs: " + "; ".join(f"{k}: {v}" for k, v in syncs.items())
+    w = rec.get("ring_write_ops_by_window")
+    if w:
+        caption += (f". Ring ops per layer write at windows {w['windows_frames']} frames: {w['write_ops']} "
+                    f"({'constant' if w['constant'] else 'NOT constant'}); begin: {w['begin_ops']}")
+    notes = {k: c["compile_note"] for k, c in per.items() if c is not None and c.get("compile_note")}
+    if notes:
+        caption += ". Not compiled: " + "; ".join(f"{k}: {why}" for k, why in notes.items())
+    caption += ". " + "; ".join(f"{k} = {COUNT_LABELS.get(k, k)}" for k in per)
+    t.caption = caption
+    return t
+
+
+def _scored_table(name: str, sc: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    ring = sc["ring_step_ms"]
+    t = Table(title=f"[b]{name}[/]: the scored kinds per steady chunk against the ring (ring step {_ms(ring)} ms; "
+              f"median of {sc['repeats']}; statistics synthetic: attention not timed)", title_justify="left")
+    for col in ("kind", "step ms", "/ ring", "begin", "write", "scores", "commit", "commit / ring",
+                "commit: where it goes"):
+        t.add_column(col, justify="left" if col in ("kind", "commit: where it goes") else "right")
+    for k, v in sc["kinds"].items():
+        ph = v["phases_ms"]
+        where = ", ".join(f"{g} {share:.0%}" for g, share in list(v["commit_groups_share"].items())[:4])
+        t.add_row(k, _ms(v["step_ms"]), _x(v["step_over_ring_step"]), _ms(ph.get("begin")), _ms(ph.get("write")),
+                  _ms(ph.get("scores")), _ms(ph.get("commit")), _x(v["commit_over_ring_step"]), where)
+    att = sc.get("attention")
+    if att:
+        t.caption = (f"attention, one block of {att['query_rows']} queries over {att['keys']:,} keys: ring "
+                     f"{_ms(att['ring_ms'])} ms ({att['ring_path']}), scored {_ms(att['tova_ms'])} ms "
+                     f"({att['tova_path']}): {_x(att['scored_over_ring'])}")
+    return t
+
+
 def _write_kernels_table(name: str, wk: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -198,6 +286,10 @@ def print_report(doc: dict[str, Any], console: Any = None) -> None:
                 console.print(line, style="dim")
         if rec.get("scaling"):
             console.print(_scaling_table(name, rec["scaling"]))
+        if rec.get("counts"):
+            console.print(_counts_table(name, rec))
+        if rec.get("scored"):
+            console.print(_scored_table(name, rec["scored"]))
         if rec.get("write_kernels"):
             console.print(_write_kernels_table(name, rec["write_kernels"]))
             for n in rec["write_kernels"]["notes"]:

@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the ring's write kernel variants and slot plan apart")
     p.add_argument("--no-end-to-end", action="store_true",
                    help="skip the end-to-end tiny-DiT rollout per cache (latency, maintenance share)")
+    p.add_argument("--no-counts", action="store_true",
+                   help="skip the counts per steady chunk (ops, host syncs, allocations, bytes, the read)")
+    p.add_argument("--no-compiled-counts", action="store_true",
+                   help="count eagerly only (skip compiling each cache's write with torch.compile)")
+    p.add_argument("--scored", action="store_true",
+                   help="also price the scored kinds' maintenance (mass, H2O, TOVA) against the ring, by phase")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,11 +42,15 @@ def run(args: argparse.Namespace) -> int:
     sections = ["maintenance"]
     if not args.no_scaling:
         sections.append("scaling")
+    if not args.no_counts:
+        sections.append("counts")
+    if args.scored:
+        sections.append("scored")
     if args.write_kernels:
         sections.append("write_kernels")
     options = BenchOptions(
         device=args.device, repeats=args.repeats, scaling_repeats=args.scaling_repeats, threads=args.threads,
-        sections=tuple(sections),
+        sections=tuple(sections), compiled_counts=not args.no_compiled_counts,
     )
     presets = args.preset or list(_DEFAULT_PRESETS)
     with console.status("benchmark") as status:
@@ -69,6 +79,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
     out += ["--no-scaling"] if args.no_scaling else []
     out += ["--write-kernels"] if args.write_kernels else []
     out += ["--no-end-to-end"] if args.no_end_to_end else []
+    out += ["--no-counts"] if args.no_counts else []
+    out += ["--no-compiled-counts"] if args.no_compiled_counts else []
+    out += ["--scored"] if args.scored else []
     return out
 
 

@@ -1,7 +1,10 @@
-"""``streamkv demo``: the main job — a streaming rollout on the embedded tiny model comparing
-every cache (current path, ring, mass budget, H2O), with a progress bar, a table and a plot;
-then the trained toy video model streams a held-out clip several times longer than its
-training window through the ring and every other cache at the same memory (animated GIFs)."""
+"""``streamkv demo``: the main job. First what the ring is for, where history is real: one
+Self-Forcing-sized attention layer (a 100 MB K buffer) per autoregressive step through the
+current path, flashdreams' ``BlockKVCache``, the ring and the copy floor (time, bytes written,
+memory allocated), beside the embedded tiny model's streaming rollout through every cache
+(current path, ring, mass budget, H2O, TOVA), with a progress bar, tables and plots; then the
+trained toy video model streams a held-out clip several times longer than its training window
+through the ring and every other cache at the same memory (animated GIFs)."""
 
 from __future__ import annotations
 
@@ -13,25 +16,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=8, help="chunks in the first stream (default 8)")
     p.add_argument("--video-frames", type=int, default=64,
                    help="frames the trained toy streams (default 64: 4x its 16-frame training window)")
+    p.add_argument("--headline-repeats", type=int, default=8,
+                   help="timed steps per cache of the Self-Forcing layer (default 8)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from streamkv.lab.commands import rollout
+    import torch
+
+    from streamkv.lab.bench.headline import measure_headline, plot_headline, print_headline
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.commands._rollout_report import plot_runs, print_tables, progress_bar
+    from streamkv.lab.commands.rollout import _cache_kwargs, available_caches
+    from streamkv.lab.env import environment, threads
+    from streamkv.lab.experiments.rollout_compare import compare_rollouts
 
     out = Path(args.out)
     if args.video_frames < 8 or args.video_frames % 2:
         raise ValueError(f"--video-frames must be an even number >= 8, got {args.video_frames}")
-    parser = argparse.ArgumentParser(prog="streamkv rollout")
-    rollout.add_arguments(parser)
-    ns = parser.parse_args([
-        "--compare", "--chunks", str(args.chunks), "--config", "tiny", "--threads", "1",
-        "--json", str(out / "demo.json"), "--plot", str(out / "demo.png"),
-    ])
-    status = rollout.run(ns)
-    if status:
-        return status
+    if args.chunks < 1:
+        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.headline_repeats < 1:
+        raise ValueError(f"--headline-repeats must be >= 1, got {args.headline_repeats}")
+    console = make_console()
+    threads_default = torch.get_num_threads()
+    # the tiny DiT: one thread (its ops are tiny; intra-op threads only add synchronisation)
+    kinds = available_caches()
+    streams = args.chunks + max(1, args.chunks // 2)
+    ns = argparse.Namespace(tau=0.05)
+    with threads(1), progress_bar(console) as progress:
+        tasks = {k: progress.add_task(f"tiny DiT {k:>13}", total=streams) for k in kinds}
+        result = compare_rollouts(kinds, config="tiny", chunks=args.chunks, guidance=3.0, mode="eager", device="cpu",
+                                  progress=lambda k: progress.advance(tasks[k]), cache_kwargs=_cache_kwargs(ns))
+    rollout = result.to_json()
+    with threads(threads_default), console.status("Self-Forcing layer: filling the caches, timing the steps"):
+        headline = measure_headline(repeats=args.headline_repeats)
+    print_headline(console, headline, rollout)
+    plot_headline(headline, rollout, out / "demo.png")
+    console.print()
+    print_tables(console, result)
+    plot_runs(result, str(out / "demo_rollout.png"))
+    write_json(out / "demo.json", {**rollout, "headline": headline, "versions": environment()})
+    console.print(f"wrote {out / 'demo.png'} (the headline), {out / 'demo_rollout.png'}, {out / 'demo.json'}")
     return _video(out, args.video_frames)
 
 

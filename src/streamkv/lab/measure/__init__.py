@@ -13,6 +13,9 @@ transient memory    ``torch.profiler`` memory events         ``torch.cuda.memory
                     allocation/free with its size and op     / ``freed``) and
                                                              ``max_memory_allocated`` - before
 bytes written       a ``TorchDispatchMode`` that adds up what every aten op writes (both devices)
+op counts           a ``TorchDispatchMode`` that counts ops, host syncs (scalar reads, data-dependent
+                    shapes, device-to-host copies) and fresh outputs (both devices); compiled
+                    functions: what ``torch.compile`` captured (graphs, recompiles, graph ops)
 ==================  =======================================  ==================================
 
 Timing interleaves the subjects (one step of each per round, the order rotating), so
@@ -20,6 +23,7 @@ that the noise of a shared machine (another process, a vCPU descheduled for a ti
 hits every subject alike; it reports the whole distribution, not just a median.
 """
 
+from streamkv.lab.measure.counts import CompiledCounts, DispatchCounts, count_compiled, count_dispatch, is_sync_op
 from streamkv.lab.measure.device import check_device, sync
 from streamkv.lab.measure.load import ForeignLoad
 from streamkv.lab.measure.memory import TransientMemory, page_faults, probe_transient
@@ -27,6 +31,11 @@ from streamkv.lab.measure.timing import Stats, TimingRun, time_interleaved
 from streamkv.lab.measure.written import WrittenBytes, count_written_bytes
 
 __all__ = [
+    "CompiledCounts",
+    "DispatchCounts",
+    "count_compiled",
+    "count_dispatch",
+    "is_sync_op",
     "ForeignLoad",
     "Stats",
     "TimingRun",
