@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..caches import CacheObserver
-from ..storage import position_bias
+from ..storage import position_bias, position_mask
 from .bound import Certificate
 
 __all__ = ["HistoryCheck", "StepRecord"]
@@ -236,13 +236,15 @@ class HistoryCheck(CacheObserver):
     def _stored(self, certifier, layer: int, qh: Tensor, pos: Tensor) -> Tensor:
         """Float64 attention of ``qh`` over what the cache stores (its dequantised slots)."""
         cache = certifier.cache
-        k = cache.keys(layer).transpose(1, 2).double()
-        v = cache.values(layer).transpose(1, 2).double()
-        s = (qh @ k.transpose(-1, -2)) * certifier.scale  # [B, H, Q, S]
-        hide = (pos < 0).unsqueeze(1)  # [H, 1, S]
+        st = cache.storage
+        k = st.head_view("k", layer).transpose(0, 1).double()  # [R, H, S, D], the stored values
+        v = st.head_view("v", layer).transpose(0, 1).double()
+        s = (qh @ k.transpose(-1, -2)) * certifier.scale  # [R, H, Q, S]
+        qpos = None
         if certifier.causal:
-            qpos = torch.arange(cache.open_span[0], cache.end, device=s.device).repeat(qh.shape[2] // cache.open_span[1])
-            hide = hide | (pos.unsqueeze(1) > qpos.view(1, -1, 1))
+            qpos = cache.lifecycle.query_positions()
+            qpos = qpos.repeat(qh.shape[2] // qpos.numel())
+        hide = position_mask(pos, qpos)  # [H, Q or 1, S]
         return torch.softmax(s.masked_fill(hide.unsqueeze(0), -math.inf), -1) @ v
 
     def _oracle(self, certifier, layer: int, s: Tensor, N: int) -> None:
