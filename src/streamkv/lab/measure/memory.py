@@ -4,6 +4,7 @@ peak; and page faults."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 from collections.abc import Callable, Iterator
@@ -106,7 +107,7 @@ def _probe_cpu(step: Callable[[], None], device: torch.device) -> TransientMemor
     except AttributeError as exc:  # pragma: no cover - a torch without kineto results
         raise RuntimeError(f"this torch ({torch.__version__}) exposes no profiler memory events: {exc}") from exc
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    ops = [e for e in events if e.name() != "[memory]"]
+    ops = _op_index([e for e in events if e.name() != "[memory]"])
     allocated = freed = allocations = 0
     running = peak = 0
     by_op: dict[str, int] = {}
@@ -148,12 +149,26 @@ def _native_stderr_muted() -> Iterator[None]:
         os.close(devnull)
 
 
-def _enclosing_op(ops: list[Any], mem_event: Any) -> str:
-    """Name of the innermost profiled op (same thread) whose interval holds the event."""
-    t, tid = mem_event.start_ns(), mem_event.start_thread_id()
-    best = None
-    for o in ops:
-        if o.start_thread_id() == tid and o.start_ns() <= t <= o.end_ns():
-            if best is None or o.start_ns() >= best.start_ns():
-                best = o
-    return best.name() if best is not None else "(outside any op)"
+def _op_index(ops: list[Any]) -> dict[int, tuple[list[int], list[tuple[int, str]]]]:
+    """Per thread, the ops' start times sorted (ties in event order) beside (end, name): what
+    :func:`_enclosing_op` bisects, built once per probe instead of a scan per allocation."""
+    rows: dict[int, list[tuple[int, int, int, str]]] = {}
+    for i, o in enumerate(ops):
+        rows.setdefault(o.start_thread_id(), []).append((o.start_ns(), i, o.end_ns(), o.name()))
+    index = {}
+    for tid, r in rows.items():
+        r.sort()
+        index[tid] = ([start for start, _, _, _ in r], [(end, name) for _, _, end, name in r])
+    return index
+
+
+def _enclosing_op(index: dict[int, tuple[list[int], list[tuple[int, str]]]], mem_event: Any) -> str:
+    """Name of the innermost profiled op (same thread) whose interval holds the event: of the
+    ops with ``start <= t <= end``, the one that started last (the last in event order on a tie)."""
+    t = mem_event.start_ns()
+    starts, spans = index.get(mem_event.start_thread_id(), ([], []))
+    for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):
+        end, name = spans[i]
+        if end >= t:
+            return name
+    return "(outside any op)"
