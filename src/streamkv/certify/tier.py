@@ -352,6 +352,23 @@ class CompressedTier(CacheObserver):
         return (k, v, self.kf.error_bound(kc, ks, self.D, self.gk, decoded=k),
                 self.vf.error_bound(vc, vs, self.Dv, self.gv, decoded=v))
 
+    def held(self, layer: int) -> Tensor:
+        """``bool [H, end]`` (host): the positions ``layer`` attends now, per head: tier 1 (recall
+        slots included) and the live tier-2 entries. Reads the device state (a check's tool)."""
+        end = self.cache.end
+        out = torch.zeros((self.H, end), dtype=torch.bool)
+        pos = self.storage.layer_positions(layer).cpu()
+        live = self.live[layer].cpu()
+        for h in range(self.H):
+            p = pos[h]
+            out[h, p[p >= 0]] = True
+            c = self.count[layer][h]
+            slots = live[h].nonzero().squeeze(1)
+            if slots.numel():
+                ent = slots + self.M * torch.div(c - 1 - slots, self.M, rounding_mode="floor")
+                out[h, self._host_rows(layer, h, 0, c)[2][ent]] = True
+        return out
+
     # ------------------------------------------------------------------ reads
     def query_rows(self, q: Tensor) -> Tensor:
         """``q [B, T, Hq, D]`` -> ``[B, H, G * T, D]`` (rows ``(group, query)``, as the certifier)."""

@@ -206,6 +206,33 @@ def _real(args: argparse.Namespace) -> int:
                       f"{rt['ring_over_two_tier_p99']:.2f}x; two_tier / oracle: mean {rt['two_tier_over_oracle_mean']:.3g}x, "
                       f"p99 {rt['two_tier_over_oracle_p99']:.3g}x; recall held / exact need "
                       f"{num(rt['recall_over_oracle_need'])}")
+    for name, d in result["datasets"].items():
+        if not d.get("tier_sweep"):
+            continue
+        t = Table(title=f"{name}: the compressed tier's sweep at the two-tier cache's device bytes (tier 1 = "
+                        f"full-precision TOVA + recall slots, tier 2 = quantised evicted history, attended; recall "
+                        f"planned once per chunk)")
+        for c in ("tier 2", "sink+window", "recall", "tier-2 entries", "device KiB", "err mean", "p99", "rel mean",
+                  "viol", "tight med", "mass tight", "h2d B/chunk", "shortfalls", "ms/chunk", "ms w/o cert",
+                  "self-forcing h2d ms", "compute floor ms"):
+            t.add_column(c, justify="right", no_wrap=True)
+        for r in d["tier_sweep"]:
+            g, sf = r["geometry"], r["h2d_self_forcing"]
+            t.add_row(r["label"], str(g["sink"] + g["window"]), str(g["recall"]), str(g["capacity"]),
+                      kib(r["device_bytes"]), num(r["error_mean"]), num(r["error_p99"]), num(r["rel_error_mean"]),
+                      num(r["violations"], "{}"), num(r["tightness_median"]), num(r["mass_tightness_median"]),
+                      num(r["h2d_bytes_per_chunk"], "{:.0f}"), num(r["shortfalls"], "{}"),
+                      num(r["ms_per_chunk"], "{:.1f}"), num(r["ms_per_chunk_without_certificate"], "{:.1f}"),
+                      f"{sf['h2d_ms_per_chunk']:.2f}", f"{sf['compute_floor_ms_per_chunk']:.1f}")
+        con.print(t)
+        rt = d["ratios"]
+        if "compressed_tier_over_tova_mean" in rt:
+            con.print(f"  compressed_tier ({d['caches']['compressed_tier']['label']}, the lowest mean error without a "
+                      f"violation): / tova mean {rt['compressed_tier_over_tova_mean']:.3g}x, p99 "
+                      f"{rt['compressed_tier_over_tova_p99']:.3g}x; / per_chunk_oracle mean "
+                      f"{rt['compressed_tier_over_per_chunk_oracle_mean']:.3g}x, p99 "
+                      f"{rt['compressed_tier_over_per_chunk_oracle_p99']:.3g}x; ms / ring "
+                      f"{rt['compressed_tier_ms_over_ring']:.3g}x")
     if "smollm2_lm" in result["datasets"]:
         lm = result["datasets"]["smollm2_lm"]
         t = Table(title=f"SmolLM2 perplexity, every layer on the cache ({lm['tokens']} tokens, chunks of "
