@@ -37,8 +37,8 @@ span are released when their slots are needed. ``stats["h2d_bytes"]`` counts wha
 
 Refused with the reason: a cache that is not ``[B, T, H, D]`` (rank 4, seq_dim 1, head_dim 2),
 quantised storage (tier 1 is the full-precision tier), a cache that has already evicted,
-recall slots without ``recall_tau`` or ``recall_tau`` without recall slots, recall on a shared
-(window) plan (recall writes per-head positions), a second recall owner, a state-dict load,
+recall slots without ``recall_tau`` or ``recall_tau`` without recall slots (fewer than a block),
+a second recall owner, a state-dict load,
 a capacity that is not a positive multiple of ``block``. Scope: eager, RoPE at write, the
 identity basis.
 
@@ -106,9 +106,6 @@ class CompressedTier(CacheObserver):
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots < block:
                 raise ValueError(f"recall_tau needs a cache with recall_slots >= block ({block}), got {st.recall_slots}")
-            if tuple(st.positions.shape[:2]) != (st.num_layers, st.heads):
-                raise ValueError(f"recall writes per-head positions: it needs a per-head (scored) policy, got "
-                                 f"{cache.policy.name!r} (a shared plan)")
         elif st.recall_slots:
             raise ValueError(f"the cache has {st.recall_slots} recall slots and recall_tau is None: nothing would fill "
                              f"them; pass recall_tau or build the cache without recall_slots")
