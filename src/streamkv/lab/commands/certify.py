@@ -217,6 +217,9 @@ def _real(args: argparse.Namespace) -> int:
                   "self-forcing h2d ms", "compute floor ms"):
             t.add_column(c, justify="right", no_wrap=True)
         for r in d["tier_sweep"]:
+            if "skipped" in r:
+                con.print(f"  {r['label']}: not run ({r['skipped']})")
+                continue
             g, sf = r["geometry"], r["h2d_self_forcing"]
             t.add_row(r["label"], str(g["sink"] + g["window"]), str(g["recall"]), str(g["capacity"]),
                       kib(r["device_bytes"]), num(r["error_mean"]), num(r["error_p99"]), num(r["rel_error_mean"]),

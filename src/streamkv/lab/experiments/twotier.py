@@ -292,16 +292,21 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
     say("oracle")
     probs = _probs(stream)
     caches["oracle"] = _oracle(stream, memory, fulls, vranges, cfg.sink, probs)
-    from .tier import per_chunk_oracle, run_tier
+    from .tier import per_chunk_oracle, run_tier, tier_geometry
 
     say("per_chunk_oracle")
     caches["per_chunk_oracle"] = per_chunk_oracle(stream, memory, fulls, vranges, cfg.sink, probs)
     sweep = []
     for t in tiers:
         say(f"compressed_tier ({t.label()})")
+        try:
+            tier_geometry(stream, t, caches["two_tier"]["device_bytes"], cfg.sink)
+        except ValueError as exc:  # this split does not fit the bytes: recorded, not run
+            sweep.append({"label": t.label(), "config": t.as_dict(), "skipped": str(exc)})
+            continue
         sweep.append(run_tier(stream, t, caches["two_tier"]["device_bytes"], sink=cfg.sink, fulls=fulls,
                               vranges=vranges, probs=probs))
-    ok = [r for r in sweep if r["violations"] == 0]
+    ok = [r for r in sweep if r.get("violations") == 0]
     if ok:
         caches["compressed_tier"] = min(ok, key=lambda r: r["error_mean"])
     del probs
@@ -395,7 +400,8 @@ def plot_real(result: dict[str, Any], path: str) -> None:
     for ax, name in zip(axes[0], names):
         sweep = result["datasets"][name]["sweep"]
         for cache in sweep[0]["caches"]:
-            pts = sorted((r["caches"][cache]["device_bytes"] / 1024, r["caches"][cache]["error_mean"]) for r in sweep)
+            pts = sorted((r["caches"][cache]["device_bytes"] / 1024, r["caches"][cache]["error_mean"]) for r in sweep
+                         if cache in r["caches"])  # the compressed tier runs at the first point only
             ax.plot(*zip(*pts), marker="o", label=cache)
         ax.set_xlabel("device memory (KiB: budget K/V + sketch + recall slots)")
         ax.set_ylabel("mean attention error (L-inf, vs full history)")
