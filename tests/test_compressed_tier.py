@@ -253,3 +253,32 @@ def test_per_chunk_oracle_refusals():
         PerChunkMass(2).keep(torch.tensor([0.5, 0.5], dtype=torch.float64))
     with pytest.raises(ValueError, match="sum to 1"):
         PerChunkMass(2).keep(torch.tensor([[0.5, 0.6]], dtype=torch.float64))
+
+
+def test_toy_stream_records_the_committed_pass():
+    """The toy model's recorded stream: every chunk once (the committed pass), the keys the ring
+    holds at the end (it holds every frame), queries of the model's head count."""
+    from streamkv.lab.video import qkv
+    from streamkv.lab.video.toy import load_model
+
+    seen = {}
+    real = qkv._Recorder.on_commit
+
+    def spy(self, cache, chunk_idx):
+        seen["cache"] = cache
+        real(self, cache, chunk_idx)
+
+    qkv._Recorder.on_commit = spy
+    try:
+        s = qkv.toy_stream(frames=8)
+    finally:
+        qkv._Recorder.on_commit = real
+    cfg = load_model().cfg
+    assert s.tokens == 8 * cfg.tokens_per_frame and s.chunk == cfg.frames_per_chunk * cfg.tokens_per_frame
+    assert s.layers == cfg.layers and s.q[0].shape[2] == cfg.heads and not s.causal
+    cache = seen["cache"]
+    for layer in range(s.layers):
+        assert torch.equal(cache.keys(layer)[:, : s.tokens], s.k[layer])
+        assert torch.equal(cache.values(layer)[:, : s.tokens], s.v[layer])
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        qkv.toy_stream(frames=7)

@@ -344,16 +344,24 @@ DEFAULT_CONFIGS: dict[str, tuple[TwoTierConfig, ...]] = {
     # needs room for the next: a window of >= 2 chunks): the same budget, two recall rooms.
     "video": (TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=48, tau=0.05),
               TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=96, tau=0.05)),
+    # The trained toy video model (2-frame chunks of 32 tokens; its own 2 sink frames): the same
+    # budget shape in its units, two recall rooms.
+    "toy": (TwoTierConfig(policy="tova", sink=32, window=96, recall_slots=64, tau=0.05),
+            TwoTierConfig(policy="tova", sink=32, window=96, recall_slots=128, tau=0.05)),
 }
 
 
 def tier_configs() -> dict[str, tuple[Any, ...]]:
     """The compressed-tier sweep per dataset (run at the first configuration's device bytes):
     three splits of the bytes between the tiers with an int8 tier 2, and int4 at the middle one."""
+    # recall_fraction: of tier 1's slots
     from .tier import TierConfig
 
     sweep = (*(TierConfig(fmt="int8", fp_fraction=s) for s in (0.3, 0.5, 0.7)), TierConfig(fmt="int4", fp_fraction=0.5))
-    return {"smollm2": sweep, "video": sweep}
+    # the toy model's 32 sink tokens and 32-token chunks need more of tier 1: later splits, fewer recall slots
+    toy = (*(TierConfig(fmt="int8", fp_fraction=s, recall_fraction=0.15) for s in (0.6, 0.75, 0.9)),
+           TierConfig(fmt="int4", fp_fraction=0.75, recall_fraction=0.15))
+    return {"smollm2": sweep, "video": sweep, "toy": toy}
 
 
 def run_real(streams: dict[str, Callable[[], Stream]],
