@@ -282,3 +282,40 @@ def test_toy_stream_records_the_committed_pass():
         assert torch.equal(cache.values(layer)[:, : s.tokens], s.v[layer])
     with pytest.raises(ValueError, match="multiple of the chunk"):
         qkv.toy_stream(frames=7)
+
+
+def test_transformers_model_attends_tier_two():
+    """``build_cache(..., tier=)``: every layer of a tiny Llama attends tiers 1 and 2; with tier 2
+    holding the evicted history the logits are closer to the full cache's than tier 1 alone."""
+    import streamkv.integrations.transformers as skv
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation(skv.ATTN_IMPLEMENTATION)
+    ids = torch.randint(1, 64, (1, 192))
+
+    def logits(cache):
+        out = []
+        with torch.no_grad():
+            for a in range(0, ids.shape[1], 16):
+                out.append(model(input_ids=ids[:, a:a + 16], cache=cache).logits)
+        return torch.cat(out, 1)
+
+    build = lambda kind, memory, **kw: skv.build_cache(model.config, kind, memory_tokens=memory, sink=4, chunk=16, **kw)
+    full = logits(build("ring", 192))
+    alone = logits(build("tova", 48))
+    cache = build("tova", 48, tier={"fmt": "int8", "capacity": 160, "certify": False})
+    tiered = logits(cache)
+    assert sum(cache.tier.count[0]) > 0
+    assert (tiered - full).abs().max() < 0.2 * (alone - full).abs().max()
+    with pytest.raises(ValueError, match="give one"):
+        build("tova", 48, tier={"capacity": 16}, certify={"recall_tau": 0.1})
+    with pytest.raises(TypeError, match="causal"):
+        build("tova", 48, tier={"capacity": 16, "causal": True})
+    odd = build("tova", 48, tier={"capacity": 16, "scale": 0.5})
+    with pytest.raises(ValueError, match="softmax scale"):
+        logits(odd)

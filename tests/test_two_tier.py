@@ -260,7 +260,7 @@ def test_compressed_tier_in_the_comparison():
     assert [t["label"] for t in sweep] == [t.label() for t in tiers]
     for t in sweep:
         assert t["violations"] == 0
-        assert t["device_bytes"] <= c["two_tier"]["device_bytes"]
+        assert t["device_bytes"] <= c["two_tier"]["device_bytes"] == t["budget_bytes"]
         assert t["device_bytes"] == t["tier1_kv_bytes"] + t["policy_state_bytes"] + t["tier2_bytes"] + \
             t["tier3_box_bytes_peak"]
         rate = t["recalled_tokens"] / (stream.tokens * stream.layers * stream.k[0].shape[2])

@@ -82,11 +82,13 @@ class CompressedTier(CacheObserver):
             head's value range (None: no recall; the cache must then have no recall slots).
         causal: position-causal queries (an LLM's prefill chunks), as :func:`~streamkv.attention.attend`.
         scale: the softmax scale (default ``1/sqrt(D)``).
+        certify: compute every step's certificate (``last``); ``False`` (only without recall,
+            which plans from it): the tiers attend, nothing is certified (``last`` stays None).
     """
 
     def __init__(self, cache: KVCache, *, fmt: str = "int8", group: int | None = None, capacity: int,
                  block: int = 16, recall_tau: float | None = None, causal: bool = False,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, certify: bool = True) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
         st = cache.storage
@@ -100,8 +102,11 @@ class CompressedTier(CacheObserver):
         capacity = check_int("capacity", capacity, 1)
         if capacity % block:
             raise ValueError(f"capacity must be a multiple of block ({block}), got {capacity}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+        for name, flag in (("causal", causal), ("certify", certify)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+        if recall_tau is not None and not certify:
+            raise ValueError("recall plans from the certificate: recall_tau needs certify=True")
         if recall_tau is not None:
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots < block:
@@ -116,7 +121,7 @@ class CompressedTier(CacheObserver):
         self.gk, self.gv = self.quant.groups(D, Dv)
         self.cache, self.storage = cache, st
         self.L, self.B, self.H, self.D, self.Dv = cache.num_layers, cache.k_shape[0], st.heads, D, Dv
-        self.M, self.block, self.recall_tau, self.causal = capacity, block, recall_tau, causal
+        self.M, self.block, self.recall_tau, self.causal, self.certifies = capacity, block, recall_tau, causal, certify
         self.scale = 1.0 / math.sqrt(D) if scale is None else check_real("scale", scale, positive=True)
         dev, L, B, H, M = cache.device, self.L, self.B, self.H, capacity
         self.k_codes = torch.zeros((L, B, H, M, self.kf.code_width(D)), dtype=torch.uint8, device=dev)
@@ -404,6 +409,8 @@ class CompressedTier(CacheObserver):
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
         if self.broken is not None:
             raise RuntimeError(f"this compressed tier cannot certify: {self.broken}")
+        if not self.certifies:
+            return
         t0 = time.perf_counter()
         span = cache.open_span[0]
         plan = self.recall_tau is not None and self._planned[layer] != span

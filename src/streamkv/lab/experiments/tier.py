@@ -73,7 +73,8 @@ def _probe(stream, cfg: TierConfig, sink: int, window: int, recall: int, capacit
 def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> dict[str, int]:
     """``sink``, ``window``, ``recall`` slots and tier-2 ``capacity`` for ``budget_bytes``: tier 1
     takes ``fp_fraction`` of it (its K/V slots and policy state, as allocated), tier 2 what is left
-    over its per-entry bytes (a multiple of ``block``). Raises ``ValueError`` naming the budget
+    over its per-entry bytes (a multiple of ``block``) after room for tier 3's boxes at their
+    largest on this stream (every token beyond the ring in a dropped block). Raises ``ValueError`` naming the budget
     when tier 1 cannot hold the sinks and two chunks."""
     B, _, H, D = stream.k[0].shape
     Dv, L, C = stream.v[0].shape[-1], stream.layers, stream.chunk
@@ -89,8 +90,14 @@ def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> di
                          f"too few for {sink} sinks, two chunks of {C} and {recall} recall slots")
     cache, _ = _probe(stream, cfg, sink, window, recall, cfg.block)
     used = cache.storage.nbytes + sum(t.nbytes for t in cache.policy.state().values())
+    # tier 3 at its largest for this stream: every entry beyond the ring, a box (lo, hi) and a count per block
+    per_box = L * H * (2 * B * D * stream.k[0].element_size() + 8)
     left = budget_bytes - used - fixed2
-    capacity = max(cfg.block, int(left // per_entry) // cfg.block * cfg.block)
+    capacity = cfg.block
+    for cap in range(cfg.block, int(left // per_entry) // cfg.block * cfg.block + 1, cfg.block):
+        boxes = -(-max(0, stream.tokens - cap) // cfg.block) + 1
+        if cap * per_entry + boxes * per_box <= left:
+            capacity = cap
     return {"sink": sink, "window": window, "recall": recall, "capacity": capacity}
 
 
