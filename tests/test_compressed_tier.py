@@ -319,3 +319,18 @@ def test_transformers_model_attends_tier_two():
     odd = build("tova", 48, tier={"capacity": 16, "scale": 0.5})
     with pytest.raises(ValueError, match="softmax scale"):
         logits(odd)
+
+
+def test_tier_geometry_fits_the_budget_or_refuses():
+    from streamkv.lab.experiments.tier import TierConfig, tier_geometry
+    from streamkv.lab.experiments.twotier import video_stream
+
+    s = video_stream(frames=8, layers=1)
+    per_slot = s.layers * s.k[0].shape[0] * s.k[0].shape[2] * 2 * s.k[0].shape[3] * 4
+    budget = 200 * per_slot
+    g = tier_geometry(s, TierConfig("int8", 0.5), budget, sink=2)
+    assert g["sink"] + g["window"] + g["recall"] == 100 and g["capacity"] % 16 == 0 and g["capacity"] > 0
+    with pytest.raises(ValueError, match="too few left for one tier-2 block"):
+        tier_geometry(s, TierConfig("int8", 0.995), budget, sink=2)
+    with pytest.raises(ValueError, match="too few for 2 sinks"):
+        tier_geometry(s, TierConfig("int8", 0.1), budget, sink=2)

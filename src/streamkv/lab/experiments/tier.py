@@ -74,8 +74,8 @@ def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> di
     """``sink``, ``window``, ``recall`` slots and tier-2 ``capacity`` for ``budget_bytes``: tier 1
     takes ``fp_fraction`` of it (its K/V slots and policy state, as allocated), tier 2 what is left
     over its per-entry bytes (a multiple of ``block``) after room for tier 3's boxes at their
-    largest on this stream (every token beyond the ring in a dropped block). Raises ``ValueError`` naming the budget
-    when tier 1 cannot hold the sinks and two chunks."""
+    largest on this stream (every token beyond the ring in a dropped block). Raises ``ValueError``
+    naming the budget when tier 1 cannot hold the sinks and two chunks, or no tier-2 block fits."""
     B, _, H, D = stream.k[0].shape
     Dv, L, C = stream.v[0].shape[-1], stream.layers, stream.chunk
     per_slot = L * B * H * (D + Dv) * stream.k[0].element_size()
@@ -93,11 +93,14 @@ def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> di
     # tier 3 at its largest for this stream: every entry beyond the ring, a box (lo, hi) and a count per block
     per_box = L * H * (2 * B * D * stream.k[0].element_size() + 8)
     left = budget_bytes - used - fixed2
-    capacity = cfg.block
+    capacity = 0
     for cap in range(cfg.block, int(left // per_entry) // cfg.block * cfg.block + 1, cfg.block):
         boxes = -(-max(0, stream.tokens - cap) // cfg.block) + 1
         if cap * per_entry + boxes * per_box <= left:
             capacity = cap
+    if not capacity:
+        raise ValueError(f"budget {budget_bytes:.0f} B with fp_fraction {cfg.fp_fraction:g}: tier 1 takes {used} B, too "
+                         f"few left for one tier-2 block and tier 3's boxes")
     return {"sink": sink, "window": window, "recall": recall, "capacity": capacity}
 
 
