@@ -67,6 +67,8 @@ REFUSED = [
     ("certify --perplexity", "--perplexity: options of --real"),
     ("certify --real --datasets video --lm-layers 2", "--lm-layers: apply to datasets (or --perplexity) this run"),
     ("certify --real --datasets smollm2 --video-frames 10", "--video-frames: apply to datasets"),
+    ("certify --real --datasets smollm2 --toy-frames 10", "--toy-frames: apply to datasets"),
+    ("certify --real --datasets toy --toy-frames 7", "--toy-frames must be a multiple of 2"),
     ("certify --real --tau 1.5", "--tau must be in the open interval (0, 1), got 1.5"),
     ("certify --real --perplexity --tokens 64", "must hold two chunks beyond the sinks and be < tokens (64)"),
     ("certify --recall-slots 5", "--recall-slots bounds the recall slots: it needs --recall"),

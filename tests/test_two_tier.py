@@ -134,7 +134,7 @@ def test_two_tier_against_the_others_at_matched_memory():
     c = r["caches"]
     from streamkv.lab.kinds import scored_kinds
 
-    assert set(c) == {"two_tier", "ring", *scored_kinds(), "oracle", "budget_only"}
+    assert set(c) == {"two_tier", "ring", *scored_kinds(), "oracle", "per_chunk_oracle", "budget_only"}
     tt = c["two_tier"]
     assert tt["violations"] == 0 and tt["tightness_median"] < 1.5
     assert tt["device_bytes"] == tt["budget_kv_bytes"] + tt["recall_slot_bytes"] + tt["sketch_bytes"] + tt["policy_state_bytes"]
@@ -144,6 +144,9 @@ def test_two_tier_against_the_others_at_matched_memory():
     # recall brings back what the budget alone lost; full attention would be 0 error
     assert tt["error_mean"] < 0.5 * c["budget_only"]["error_mean"]
     assert c["oracle"]["error_mean"] < c["ring"]["error_mean"]
+    # the per-chunk oracle holds the same tokens per head as the ring, chosen with the history in view
+    assert c["per_chunk_oracle"]["memory_tokens"] == round(r["matched_memory_tokens"])
+    assert c["per_chunk_oracle"]["error_mean"] < c["ring"]["error_mean"]
     assert r["ratios"]["ring_over_two_tier_mean"] == pytest.approx(c["ring"]["error_mean"] / tt["error_mean"])
     for name, res in c.items():
         assert math.isfinite(res["error_mean"]) and res["error_mean"] <= res["error_p99"] <= res["error_max"] or \
@@ -188,6 +191,10 @@ def test_cli_real_writes_the_promised_json(tmp_path, capsys):
     assert caches["two_tier"]["violations"] == 0 and caches["ring"]["violations"] is None
     assert caches["two_tier"]["error_mean"] < caches["budget_only"]["error_mean"]
     assert len(res["datasets"]["video"]["sweep"]) == 2
+    tiers = res["datasets"]["video"]["tier_sweep"]
+    assert tiers and all(t.get("violations") == 0 or "too few" in t["skipped"] for t in tiers)
+    assert {"per_chunk_oracle", "compressed_tier"} <= set(caches)
+    assert caches["compressed_tier"]["h2d_bytes_per_chunk"] >= 0 and "h2d_self_forcing" in caches["compressed_tier"]
     assert (tmp_path / "real.png").stat().st_size > 10_000
     assert "ring / two_tier error" in capsys.readouterr().out
 
@@ -238,3 +245,28 @@ def test_queries_after_the_write_equal_queries_with_it():
     assert torch.equal(outs[False], outs[True])
     with pytest.raises(RuntimeError, match="observe_queries\\(\\) needs an open span"):
         c.observe_queries(torch.zeros(1, 4, 2, 8), layer=0)
+
+
+def test_compressed_tier_in_the_comparison():
+    """``run_two_tier(tiers=...)``: the compressed tier fits the two-tier cache's device bytes,
+    is checked (0 violations) and priced; the chosen run is the sweep's lowest mean error."""
+    from streamkv.lab.experiments.tier import SELF_FORCING, TierConfig, self_forcing_h2d
+
+    stream = _tiny_video_stream()
+    cfg = TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=48, tau=0.05)
+    tiers = (TierConfig("int8", 0.5), TierConfig("int4", 0.5))
+    r = run_two_tier(stream, cfg, tiers=tiers)
+    c, sweep = r["caches"], r["tier_sweep"]
+    assert [t["label"] for t in sweep] == [t.label() for t in tiers]
+    for t in sweep:
+        assert t["violations"] == 0
+        assert t["device_bytes"] <= c["two_tier"]["device_bytes"] == t["budget_bytes"]
+        assert t["device_bytes"] == t["tier1_kv_bytes"] + t["policy_state_bytes"] + t["tier2_bytes"] + \
+            t["tier3_box_bytes_peak"]
+        rate = t["recalled_tokens"] / (stream.tokens * stream.layers * stream.k[0].shape[2])
+        assert t["h2d_self_forcing"] == self_forcing_h2d(rate)
+    assert c["compressed_tier"] == min(sweep, key=lambda t: t["error_mean"])
+    s = SELF_FORCING
+    h = self_forcing_h2d(1.0)  # recalling as many tokens as the chunk brings: one chunk's K/V of every layer
+    assert h["h2d_bytes_per_chunk"] == 4680 * s["layers"] * s["heads"] * 2 * s["head_dim"] * s["bytes_per_element"]
+    assert h["h2d_ms_per_chunk"] == pytest.approx(1e3 * h["h2d_bytes_per_chunk"] / 35e9)

@@ -20,6 +20,8 @@ a different object (see the mass-budget cache); these define what it approximate
   ``sinks`` positions (StreamingLLM's sinks + window; ``sinks=0`` is a plain window).
 - :class:`PerQueryMass` keeps the smallest set with kept mass ``>= 1 - tau``, so the
   output error is at most ``tau`` times the value range (:mod:`streamkv.budget.mass`).
+- :class:`PerChunkMass` keeps one set of ``size`` tokens for a whole chunk of queries (the
+  rows of dim ``-2``): the limit of any cache that fetches once per chunk.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 from .mass import check_attention, check_tau
 from ..validate import check_int
 
-__all__ = ["Oracle", "Full", "FixedWindow", "PerQueryMass"]
+__all__ = ["Oracle", "Full", "FixedWindow", "PerQueryMass", "PerChunkMass"]
 
 
 def _count(name: str, value: object, minimum: int = 0) -> int:
@@ -231,3 +233,62 @@ class PerQueryMass(Oracle):
         if self.protect_recent:
             extra += f", recent={self.protect_recent}"
         return f"mass(tau={self.tau:g}{extra})"
+
+
+@dataclass(frozen=True)
+class PerChunkMass(Oracle):
+    """Keep, for a chunk of queries together, the ``size`` cached tokens of the largest summed
+    attention mass over the chunk's queries.
+
+    ``attention`` is ``[*, Q, N]``: the ``Q`` rows of dim ``-2`` are the chunk's queries (for a
+    key head under grouped-query attention, every query head it serves), and one set is chosen
+    per leading index and returned broadcast over the rows. Protected tokens (positions
+    ``< protect_sinks`` and the ``protect_recent`` newest) are kept first and count toward
+    ``size``; the rest are taken by summed mass descending, then position ascending. Taking the
+    heaviest first maximises the total kept mass ``sum_q sum_{j in S} p_qj`` over every set of
+    that size containing the protected tokens (the objective is additive over tokens): the
+    chunk's limit when the set is chosen with the whole history in view. When ``size`` is
+    below the protected count every protected token is still kept (the set is larger than
+    ``size``); with ``size >= N`` everything is kept.
+
+    Args:
+        size: tokens kept per set (>= 1).
+        protect_sinks, protect_recent: as :class:`PerQueryMass`.
+    """
+
+    size: int
+    protect_sinks: int = 0
+    protect_recent: int = 0
+    kind: ClassVar[str] = "chunk_mass"
+
+    def __post_init__(self) -> None:
+        _count("size", self.size, 1)
+        _count("protect_sinks", self.protect_sinks)
+        _count("protect_recent", self.protect_recent)
+
+    def keep(self, attention: Tensor, positions: Tensor | None = None) -> Tensor:
+        p = check_attention(attention)
+        if p.dim() < 2:
+            raise ValueError(f"attention must be [*, Q, N] (a chunk of query rows), got shape {tuple(p.shape)}")
+        n = p.shape[-1]
+        pos = _positions(positions, n, p.device)
+        if n == 0:
+            return torch.zeros(p.shape, dtype=torch.bool, device=p.device)
+        prot = (pos < self.protect_sinks) | _newest(pos, self.protect_recent)
+        score = p.sum(-2).reshape(-1, n)  # [sets, N]
+        rows = score.shape[0]
+        order = pos.argsort(stable=True).expand(rows, n)
+        order = order.gather(1, score.gather(1, order).sort(dim=1, descending=True, stable=True).indices)
+        order = order.gather(1, prot[order].to(torch.int8).sort(dim=1, descending=True, stable=True).indices)
+        count = max(self.size, int(prot.sum()))
+        rank = torch.arange(n, device=p.device).expand(rows, n)
+        keep = torch.zeros((rows, n), dtype=torch.bool, device=p.device).scatter(1, order, rank < count)
+        return keep.reshape(*p.shape[:-2], 1, n).expand(p.shape).clone()
+
+    def label(self) -> str:
+        extra = ""
+        if self.protect_sinks:
+            extra += f", sinks={self.protect_sinks}"
+        if self.protect_recent:
+            extra += f", recent={self.protect_recent}"
+        return f"chunk_mass(size={self.size}{extra})"

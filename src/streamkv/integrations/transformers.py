@@ -200,7 +200,7 @@ def streamkv_attention(
         )
     cache = handoff.cache
     q = cache.queries(layer, query, scaling)  # the cache's layout; its observers certify and recall here
-    out, _ = attend(q, read, causal=True, scale=scaling)
+    out = cache.attend(layer, q, read, scaling)  # the read (and a compressed tier's tier 2)
     if not cache.token_major:  # [B, H_q, T, D] -> [B, T, H_q, D] (token-major: already)
         out = out.transpose(1, 2)
     cache.attended(layer, query, read, out)
@@ -298,6 +298,7 @@ def build_cache(
     recall_slots: int = 0,
     certify: Mapping[str, Any] | None = None,
     quant: Any = None,
+    tier: Mapping[str, Any] | None = None,
     **policy_params: Any,
 ) -> StreamKVCache:
     """A :class:`StreamKVCache` of ``kind`` for a model config.
@@ -321,6 +322,10 @@ def build_cache(
             ``"int4"``; None: the cache dtype): codes + scales, the sinks, the open span and a
             residual in full precision, attended block by block (:mod:`streamkv.quant_store`);
             ``cache.kv.nbytes`` counts what is allocated.
+        tier: a dict of :class:`~streamkv.certify.tier.CompressedTier` options (``capacity``
+            required; ``fmt``, ``group``, ``block``, ``recall_tau``, ``certify``, ``scale``, default
+            the config's; ``causal`` is always True): the evicted history kept quantised on the
+            device and attended (``cache.tier``); ``recall_slots`` then need ``recall_tau``.
         policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
 
     Memory: the buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window,
@@ -355,12 +360,18 @@ def build_cache(
         raise TypeError(f"recall_slots must be an int, got {type(recall_slots).__name__} {recall_slots!r}")
     if recall_slots < 0:
         raise ValueError(f"recall_slots must be >= 0, got {recall_slots}")
-    if recall_slots and certify is None:
-        raise ValueError(f"recall_slots={recall_slots} needs certify= (the certifier fills the recall slots)")
+    if recall_slots and certify is None and tier is None:
+        raise ValueError(f"recall_slots={recall_slots} needs certify= or tier= (an observer fills the recall slots)")
+    if certify is not None and tier is not None:
+        raise ValueError("certify= and tier= both recall into the cache: give one (the compressed tier certifies itself)")
+    if tier is not None and not isinstance(tier, Mapping):
+        raise TypeError(f"tier must be a dict of CompressedTier options, got {type(tier).__name__}")
+    if tier is not None and "causal" in tier:
+        raise TypeError("tier takes no causal option: the streamkv attention is position-causal, so the tier is")
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     k_shape = cache_shape(cfg, batch_size, sink + window)
     layout = {"seq_dim": 2, "head_dim": 1}
-    if certify is not None:  # token-major: the certifier's layout
+    if certify is not None or tier is not None:  # token-major: the certifier's (and the tier's) layout
         B, H, S, D = k_shape
         k_shape, layout = (B, S, H, D), {"seq_dim": 1, "head_dim": 2, "recall_slots": recall_slots}
     kv = CACHE_KINDS[kind](
@@ -368,4 +379,10 @@ def build_cache(
         device=device, **layout, **({"quant": quant} if quant is not None else {}), **policy_params,
     )
     certifier = None if certify is None else build_certifier(kv, cfg, certify)
-    return StreamKVCache(kv, config=cfg, on_attention=on_attention, certifier=certifier)
+    compressed = None
+    if tier is not None:
+        from ..certify.tier import CompressedTier
+        from .transformers_two_tier import config_scale
+
+        compressed = CompressedTier(kv, causal=True, **{"scale": config_scale(cfg), **tier})
+    return StreamKVCache(kv, config=cfg, on_attention=on_attention, certifier=certifier, tier=compressed)

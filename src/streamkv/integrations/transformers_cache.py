@@ -30,7 +30,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from ..caches import KVCache, KVRead
+from ..attention import attend as attend_read
 from ..certify import Certifier
+from ..certify.tier import CompressedTier
 from ..storage import check_int
 from .transformers_checks import (
     check_attention_kwargs,
@@ -104,6 +106,9 @@ class StreamKVCache(Cache):
         certifier: optional, the :class:`~streamkv.certify.Certifier` watching ``kv``
             (``causal=True``; :func:`~streamkv.integrations.transformers.build_cache` makes
             it with ``certify=``), kept as ``self.certifier`` (None: none).
+        tier: optional, the :class:`~streamkv.certify.tier.CompressedTier` watching ``kv``
+            (``causal=True``; ``build_cache(..., tier=)``): every layer then attends tiers 1
+            and 2 together (:meth:`attend`), kept as ``self.tier``.
 
     Mutation: every forward writes the span's K/V in place (buffers never move); state lives
     in ``kv`` and three host counters here. Use under ``torch.no_grad()`` /
@@ -112,7 +117,7 @@ class StreamKVCache(Cache):
 
     def __init__(self, kv: KVCache, *, config: Any = None,
                  on_attention: Callable[[int, Tensor, KVRead, Tensor], None] | None = None,
-                 certifier: Certifier | None = None) -> None:
+                 certifier: Certifier | None = None, tier: CompressedTier | None = None) -> None:
         if not isinstance(kv, KVCache):
             raise TypeError(f"kv must be a streamkv KVCache, got {type(kv).__name__}")
         layout = (kv.seq_dim, kv.head_dim)
@@ -133,6 +138,9 @@ class StreamKVCache(Cache):
             raise ValueError("certifier must be a Certifier watching kv; this one watches another cache")
         if certifier is not None and not certifier.causal:
             raise ValueError("certifier must be built with causal=True (the streamkv attention is position-causal)")
+        if tier is not None and (not isinstance(tier, CompressedTier) or tier.cache is not kv or not tier.causal):
+            raise ValueError("tier must be a CompressedTier watching kv, built with causal=True (the streamkv "
+                             "attention is position-causal)")
         if config is not None:
             cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             layers = getattr(cfg, "num_hidden_layers", None)
@@ -143,6 +151,7 @@ class StreamKVCache(Cache):
         self.config = config
         self.on_attention = on_attention
         self.certifier = certifier
+        self.tier = tier
         #: K/V stored ``[B, slots, H_kv, D]`` (written and read through transposed views)
         self.token_major = layout == (1, 2)
         self._written = 0  # layers written in the open span
@@ -312,6 +321,21 @@ class StreamKVCache(Cache):
             check_certifiers(self.kv, scaling)
             self.kv.observe_queries(q, layer=layer)
         return q
+
+    def attend(self, layer: int, q: Tensor, read: KVRead, scaling: float | None) -> Tensor:
+        """Causal attention of ``q`` (from :meth:`queries`) over the layer: ``read``, and with a
+        compressed tier its tier 2 in the same softmax. Output in ``q``'s layout.
+
+        Raises:
+            ValueError: the tier attends at another softmax scale than ``scaling``.
+        """
+        if self.tier is None:
+            return attend_read(q, read, causal=True, scale=scaling)[0]
+        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        if abs(scale - self.tier.scale) > 1e-12 * scale:
+            raise ValueError(f"the compressed tier attends at softmax scale {self.tier.scale!r}, the model at {scale!r}: "
+                             f"build the cache with tier={{'scale': {scale!r}, ...}}")
+        return self.tier.attend(layer, q, read)
 
     def attended(self, layer: int, query: Tensor, read: KVRead, out: Tensor) -> None:
         """Called by the attention function once layer ``layer`` attended (``out``:

@@ -16,11 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real", action="store_true",
                    help="the two-tier cache vs ring / mass / h2o / tova / the per-query oracle at matched device memory, "
                         "on SmolLM2's attention over real text and on the synthetic video stream")
-    p.add_argument("--datasets", default="smollm2,video", help="with --real: comma-separated, of smollm2, video")
+    p.add_argument("--datasets", default="smollm2,video,toy",
+                   help="with --real: comma-separated, of smollm2, video (synthetic Q/K/V), toy (the trained toy video "
+                        "model's own Q/K/V); default all three")
     p.add_argument("--tokens", type=int, default=1024, help="with --real: SmolLM2 tokens of the text, default 1024")
     p.add_argument("--lm-layers", default="2,10,20,28", help="with --real: SmolLM2 layers, default 2,10,20,28")
     p.add_argument("--lm-chunk", type=int, default=16, help="with --real: SmolLM2 prefill chunk, default 16")
     p.add_argument("--video-frames", type=int, default=48, help="with --real: frames of the video stream, default 48")
+    p.add_argument("--toy-frames", type=int, default=48,
+                   help="with --real: frames the toy video model streams (4 context, the rest generated), default 48")
     p.add_argument("--perplexity", action="store_true",
                    help="with --real: also SmolLM2's perplexity with every layer on the two-tier cache vs the full "
                         "cache, the ring and TOVA at matched device memory (transformers integration; ~8 min)")
@@ -69,7 +73,7 @@ def _kib(b: float) -> str:
 #: options of the certified rollouts (without --real) and of the two-tier comparison (--real only)
 PLAIN_ONLY = ("cache", "sketch_bits", "recall", "recall_slots", "budget_tau", "box_dtype", "pool_events",
               "block_tokens", "max_blocks", "dit_chunks", "synthetic_frames", "every")
-REAL_ONLY = ("datasets", "tokens", "lm_layers", "lm_chunk", "video_frames", "perplexity")
+REAL_ONLY = ("datasets", "tokens", "lm_layers", "lm_chunk", "video_frames", "toy_frames", "perplexity")
 
 
 def _flags(names) -> str:
@@ -78,9 +82,9 @@ def _flags(names) -> str:
 
 def _datasets(args: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("smollm2", "video")]
+    bad = [n for n in names if n not in ("smollm2", "video", "toy")]
     if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"--datasets must name smollm2 and/or video (each once), got {args.datasets!r}")
+        raise ValueError(f"--datasets must name some of smollm2, video, toy (each once), got {args.datasets!r}")
     return names
 
 
@@ -121,11 +125,23 @@ def check(args: argparse.Namespace) -> None:
         lm = "smollm2" in names or args.perplexity
         unused = [n for n in ("tokens", "lm_chunk") if n in given and not lm]
         unused += [n for n in ("lm_layers",) if n in given and "smollm2" not in names]
-        unused += [n for n in ("video_frames", "seed") if n in given and "video" not in names]
+        unused += [n for n in ("video_frames",) if n in given and "video" not in names]
+        unused += [n for n in ("toy_frames",) if n in given and "toy" not in names]
+        unused += [n for n in ("seed",) if n in given and not {"video", "toy"} & set(names)]
         if unused:
             raise ValueError(f"{_flags(unused)}: apply to datasets (or --perplexity) this run does not include "
                              f"(--datasets {args.datasets}); leave them out")
         _lm_layers(args)
+        if "toy" in names:
+            from streamkv.lab.video.config import CONTEXT_FRAMES
+            from streamkv.models.config import get_config
+
+            toy = get_config("toy")
+            if (args.toy_frames % toy.frames_per_chunk or args.toy_frames <= CONTEXT_FRAMES
+                    or args.toy_frames + toy.sink_frames > toy.max_frames):
+                raise ValueError(f"--toy-frames must be a multiple of {toy.frames_per_chunk} (the toy model's chunk), "
+                                 f"> {CONTEXT_FRAMES} (its context) and <= {toy.max_frames - toy.sink_frames} (its "
+                                 f"RoPE horizon), got {args.toy_frames}")
         if args.tokens % args.lm_chunk or args.tokens > 8192:
             raise ValueError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "
                              f"got {args.tokens} and {args.lm_chunk}")
@@ -163,12 +179,14 @@ def _real(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
     from streamkv.lab.experiments.twotier import DEFAULT_CONFIGS, plot_real, run_real, smollm2_stream, video_stream
+    from streamkv.lab.video.qkv import toy_stream
 
     check(args)
     names, layers, tau = _datasets(args), _lm_layers(args), _real_tau(args)
     configs = {n: tuple(c if tau is None else replace(c, tau=tau) for c in DEFAULT_CONFIGS[n]) for n in names}
     builders = {"smollm2": lambda: smollm2_stream(tokens=args.tokens, chunk=args.lm_chunk, layers=layers),
-                "video": lambda: video_stream(frames=args.video_frames, seed=args.seed)}
+                "video": lambda: video_stream(frames=args.video_frames, seed=args.seed),
+                "toy": lambda: toy_stream(frames=args.toy_frames, seed=args.seed)}
     con = Console(width=210)  # the tables are wide
     with con.status("two-tier") as status:
         result = run_real({n: builders[n] for n in names}, configs=configs, progress=status.update)
@@ -206,6 +224,36 @@ def _real(args: argparse.Namespace) -> int:
                       f"{rt['ring_over_two_tier_p99']:.2f}x; two_tier / oracle: mean {rt['two_tier_over_oracle_mean']:.3g}x, "
                       f"p99 {rt['two_tier_over_oracle_p99']:.3g}x; recall held / exact need "
                       f"{num(rt['recall_over_oracle_need'])}")
+    for name, d in result["datasets"].items():
+        if not d.get("tier_sweep"):
+            continue
+        t = Table(title=f"{name}: the compressed tier's sweep at the two-tier cache's device bytes (tier 1 = "
+                        f"full-precision TOVA + recall slots, tier 2 = quantised evicted history, attended; recall "
+                        f"planned once per chunk)")
+        for c in ("tier 2", "sink+window", "recall", "tier-2 entries", "device KiB", "err mean", "p99", "rel mean",
+                  "viol", "tight med", "mass tight", "h2d B/chunk", "shortfalls", "ms/chunk", "ms w/o cert",
+                  "self-forcing h2d ms", "compute floor ms"):
+            t.add_column(c, justify="right", no_wrap=True)
+        for r in d["tier_sweep"]:
+            if "skipped" in r:
+                con.print(f"  {r['label']}: not run ({r['skipped']})")
+                continue
+            g, sf = r["geometry"], r["h2d_self_forcing"]
+            t.add_row(r["label"], str(g["sink"] + g["window"]), str(g["recall"]), str(g["capacity"]),
+                      kib(r["device_bytes"]), num(r["error_mean"]), num(r["error_p99"]), num(r["rel_error_mean"]),
+                      num(r["violations"], "{}"), num(r["tightness_median"]), num(r["mass_tightness_median"]),
+                      num(r["h2d_bytes_per_chunk"], "{:.0f}"), num(r["shortfalls"], "{}"),
+                      num(r["ms_per_chunk"], "{:.1f}"), num(r["ms_per_chunk_without_certificate"], "{:.1f}"),
+                      f"{sf['h2d_ms_per_chunk']:.2f}", f"{sf['compute_floor_ms_per_chunk']:.1f}")
+        con.print(t)
+        rt = d["ratios"]
+        if "compressed_tier_over_tova_mean" in rt:
+            con.print(f"  compressed_tier ({d['caches']['compressed_tier']['label']}, the lowest mean error without a "
+                      f"violation): / tova mean {rt['compressed_tier_over_tova_mean']:.3g}x, p99 "
+                      f"{rt['compressed_tier_over_tova_p99']:.3g}x; / per_chunk_oracle mean "
+                      f"{rt['compressed_tier_over_per_chunk_oracle_mean']:.3g}x, p99 "
+                      f"{rt['compressed_tier_over_per_chunk_oracle_p99']:.3g}x; ms / ring "
+                      f"{rt['compressed_tier_ms_over_ring']:.3g}x")
     if "smollm2_lm" in result["datasets"]:
         lm = result["datasets"]["smollm2_lm"]
         t = Table(title=f"SmolLM2 perplexity, every layer on the cache ({lm['tokens']} tokens, chunks of "

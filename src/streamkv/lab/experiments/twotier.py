@@ -212,10 +212,8 @@ def _run_cache(stream: Stream, kind: str, *, sink: int, window: int, recall_slot
     return res
 
 
-def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: list[Tensor], sink: int,
-            iters: int = 14) -> dict[str, Any]:
-    """The per-query mass oracle at the ``tau`` whose mean kept tokens match ``memory_tokens``
-    (bisection on ``log tau``), its error against full attention."""
+def _probs(stream: Stream) -> list[Tensor]:
+    """Float64 full-history attention weights per layer ``[B, Hq, T, T]`` (causal or block-causal)."""
     probs = []
     for layer in range(stream.layers):
         q, k = stream.q[layer].double().transpose(1, 2), stream.k[layer].double().transpose(1, 2)
@@ -224,6 +222,13 @@ def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: 
         qi, kj = torch.arange(T, device=q.device).view(-1, 1), torch.arange(T, device=q.device).view(1, -1)
         hide = kj > qi if stream.causal else (kj // stream.chunk) > (qi // stream.chunk)
         probs.append(((q @ k.transpose(-1, -2)) * stream.scale).masked_fill(hide, -math.inf).softmax(-1))
+    return probs
+
+
+def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: list[Tensor], sink: int,
+            probs: list[Tensor], iters: int = 14) -> dict[str, Any]:
+    """The per-query mass oracle at the ``tau`` whose mean kept tokens match ``memory_tokens``
+    (bisection on ``log tau``), its error against full attention."""
     recent = stream.chunk
 
     def run(tau: float) -> tuple[float, list[Tensor], list[Tensor]]:
@@ -262,8 +267,11 @@ def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: 
 
 
 def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every cache on ``stream`` at the two-tier cache's device memory (see the module docstring)."""
+                 progress: Callable[[str], None] | None = None, tiers: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """Every cache on ``stream`` at the two-tier cache's device memory (see the module docstring);
+    with ``tiers`` (:class:`~.tier.TierConfig`) also the compressed tier at each (``tier_sweep``;
+    ``caches["compressed_tier"]``: the sweep's lowest mean error among runs with no violation)
+    and the per-chunk oracle."""
     cfg = cfg or TwoTierConfig()
     fulls, vranges = zip(*(_full_attention(stream, layer) for layer in range(stream.layers)))
     fulls, vranges = list(fulls), list(vranges)
@@ -282,7 +290,26 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
         caches[kind] = _run_cache(stream, kind, sink=cfg.sink, window=W, fulls=fulls, vranges=vranges,
                                   **kind_params(kind, tau=cfg.tau))
     say("oracle")
-    caches["oracle"] = _oracle(stream, memory, fulls, vranges, cfg.sink)
+    probs = _probs(stream)
+    caches["oracle"] = _oracle(stream, memory, fulls, vranges, cfg.sink, probs)
+    from .tier import per_chunk_oracle, run_tier, tier_geometry
+
+    say("per_chunk_oracle")
+    caches["per_chunk_oracle"] = per_chunk_oracle(stream, memory, fulls, vranges, cfg.sink, probs)
+    sweep = []
+    for t in tiers:
+        say(f"compressed_tier ({t.label()})")
+        try:
+            tier_geometry(stream, t, caches["two_tier"]["device_bytes"], cfg.sink)
+        except ValueError as exc:  # this split does not fit the bytes: recorded, not run
+            sweep.append({"label": t.label(), "config": t.as_dict(), "skipped": str(exc)})
+            continue
+        sweep.append(run_tier(stream, t, caches["two_tier"]["device_bytes"], sink=cfg.sink, fulls=fulls,
+                              vranges=vranges, probs=probs))
+    ok = [r for r in sweep if r.get("violations") == 0]
+    if ok:
+        caches["compressed_tier"] = min(ok, key=lambda r: r["error_mean"])
+    del probs
     say("the two-tier budget alone")  # no sketch, no recall: what the sketch and recall add
     caches["budget_only"] = _run_cache(stream, cfg.policy, sink=cfg.sink, window=cfg.window, fulls=fulls,
                                             vranges=vranges)
@@ -296,8 +323,15 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
         "recall_over_oracle_need": (tt["recall_held_tokens"] / tt["oracle_recall_tokens"]
                                     if tt["oracle_recall_tokens"] else None),
     }
+    if "compressed_tier" in caches:
+        ct = caches["compressed_tier"]
+        for other in ("tova", "per_chunk_oracle", "oracle"):
+            for stat in ("mean", "p99"):
+                ratios[f"compressed_tier_over_{other}_{stat}"] = ct[f"error_{stat}"] / max(caches[other][f"error_{stat}"], 1e-30)
+        ratios["compressed_tier_ms_over_ring"] = ct["ms_per_chunk"] / caches["ring"]["ms_per_chunk"]
     return {"info": stream.info, "config": cfg.as_dict(), "token_bytes": per_token,
-            "matched_memory_tokens": memory, "caches": caches, "ratios": ratios}
+            "matched_memory_tokens": memory, "caches": caches, "ratios": ratios,
+            "tier_sweep": [{k: v for k, v in r.items()} for r in sweep]}
 
 
 # -------------------------------------------------------------------- the command
@@ -310,12 +344,30 @@ DEFAULT_CONFIGS: dict[str, tuple[TwoTierConfig, ...]] = {
     # needs room for the next: a window of >= 2 chunks): the same budget, two recall rooms.
     "video": (TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=48, tau=0.05),
               TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=96, tau=0.05)),
+    # The trained toy video model (2-frame chunks of 32 tokens; its own 2 sink frames): the same
+    # budget shape in its units, two recall rooms.
+    "toy": (TwoTierConfig(policy="tova", sink=32, window=96, recall_slots=64, tau=0.05),
+            TwoTierConfig(policy="tova", sink=32, window=96, recall_slots=128, tau=0.05)),
 }
+
+
+def tier_configs() -> dict[str, tuple[Any, ...]]:
+    """The compressed-tier sweep per dataset (run at the first configuration's device bytes):
+    three splits of the bytes between the tiers with an int8 tier 2, and int4 at the middle one."""
+    # recall_fraction: of tier 1's slots
+    from .tier import TierConfig
+
+    sweep = (*(TierConfig(fmt="int8", fp_fraction=s) for s in (0.3, 0.5, 0.7)), TierConfig(fmt="int4", fp_fraction=0.5))
+    # the toy model's 32 sink tokens and 32-token chunks need more of tier 1: later splits, fewer recall slots
+    toy = (*(TierConfig(fmt="int8", fp_fraction=s, recall_fraction=0.15) for s in (0.6, 0.75, 0.9)),
+           TierConfig(fmt="int4", fp_fraction=0.75, recall_fraction=0.15))
+    return {"smollm2": sweep, "video": sweep, "toy": toy}
 
 
 def run_real(streams: dict[str, Callable[[], Stream]],
              configs: dict[str, tuple[TwoTierConfig, ...]] | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[str], None] | None = None,
+             tiers: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """``streamkv certify --real``: every dataset of ``streams`` (name -> a builder) through
     :func:`run_two_tier` at each of its configurations (``configs[name]``, default
     :data:`DEFAULT_CONFIGS`). ``datasets[name]["caches"]`` is the first configuration's result;
@@ -327,21 +379,23 @@ def run_real(streams: dict[str, Callable[[], Stream]],
     out: dict[str, Any] = {"datasets": {}, "threads": 1}
     with threads(1):  # the certifier's many small float64 ops: one thread (two contend on a loaded 2-core CPU)
         for name, build in streams.items():
-            out["datasets"][name] = _run_dataset(name, build, configs[name], say)
+            out["datasets"][name] = _run_dataset(name, build, configs[name], say,
+                                                 (tier_configs() if tiers is None else tiers).get(name, ()))
     return out
 
 
 def _run_dataset(name: str, build: Callable[[], Stream], configs: tuple[TwoTierConfig, ...],
-                 say: Callable[[str], None]) -> dict[str, Any]:
+                 say: Callable[[str], None], tiers: tuple[Any, ...] = ()) -> dict[str, Any]:
     say(f"{name}: attention inputs")
     stream = build()
     sweep = []
     for i, cfg in enumerate(configs):
-        sweep.append(run_two_tier(stream, cfg, progress=lambda c, i=i: say(f"{name} [{i + 1}/{len(configs)}]: {c}")))
+        sweep.append(run_two_tier(stream, cfg, progress=lambda c, i=i: say(f"{name} [{i + 1}/{len(configs)}]: {c}"),
+                                  tiers=tiers if i == 0 else ()))
     first = sweep[0]
     return {"info": stream.info, "caches": first["caches"], "ratios": first["ratios"], "config": first["config"],
             "matched_memory_tokens": first["matched_memory_tokens"], "token_bytes": first["token_bytes"],
-            "sweep": sweep}
+            "sweep": sweep, "tier_sweep": first["tier_sweep"]}
 
 
 def plot_real(result: dict[str, Any], path: str) -> None:
@@ -354,7 +408,8 @@ def plot_real(result: dict[str, Any], path: str) -> None:
     for ax, name in zip(axes[0], names):
         sweep = result["datasets"][name]["sweep"]
         for cache in sweep[0]["caches"]:
-            pts = sorted((r["caches"][cache]["device_bytes"] / 1024, r["caches"][cache]["error_mean"]) for r in sweep)
+            pts = sorted((r["caches"][cache]["device_bytes"] / 1024, r["caches"][cache]["error_mean"]) for r in sweep
+                         if cache in r["caches"])  # the compressed tier runs at the first point only
             ax.plot(*zip(*pts), marker="o", label=cache)
         ax.set_xlabel("device memory (KiB: budget K/V + sketch + recall slots)")
         ax.set_ylabel("mean attention error (L-inf, vs full history)")

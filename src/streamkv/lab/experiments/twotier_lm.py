@@ -18,6 +18,11 @@ Caches (:func:`run_twotier_lm`):
 ``full``         a ring that holds the whole stream (nothing evicted: the reference)
 ``ring``/``tova`` at the two-tier cache's device bytes, in token-equivalents
 ``budget_only``  the two-tier cache's budget alone (no sketch, no recall): what recall adds
+``compressed_tier_quarter`` / ``tova_quarter``
+                 at one quarter of the full cache's device bytes: the compressed tier
+                 (``build_cache(..., tier=)``: ``tier_fp_fraction`` of the bytes a full-precision
+                 TOVA tier 1, the rest ``tier_fmt`` entries of the evicted history, attended; no
+                 recall, no certificate: the perplexity of what it attends) and TOVA alone
 
 Device bytes of the two-tier cache: its K/V buffers (budget and recall slots), its policy's
 state, and the peak of its key sketches (``sum(s.nbytes for s in certifier.summaries)`` after
@@ -57,6 +62,9 @@ class TwoTierLMConfig:
     sketch_bits: int = 8
     block_tokens: int = 32
     history_check: bool = True  # float64 whole-history check of every certificate
+    tier_fmt: str = "int8"  # the compressed tier's tier 2 (at a quarter of the full cache's bytes)
+    tier_fp_fraction: float = 0.3
+    tier_block: int = 16
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting that cannot run."""
@@ -159,10 +167,48 @@ def run_twotier_lm(cfg: TwoTierLMConfig | None = None, *, model: Any = None, ids
                 cache = build(kind, memory, sink)
                 losses, seconds = _stream(model, ids, cache, C, progress=tick(name))
                 caches[name] = _entry(cache, losses, seconds, memory, budget)
+            quarter = T // 4
+            tier = _quarter_tier(build, cfg, quarter * per_token, per_token)
+            losses, seconds = _stream(model, ids, tier, C, progress=tick("compressed_tier_quarter"))
+            caches["compressed_tier_quarter"] = {
+                **_entry(tier, losses, seconds, quarter, budget),
+                "device_bytes": tier.kv.nbytes + _policy_bytes(tier) + _tier_bytes(tier.tier),
+                "budget_bytes": quarter * per_token, "tier1_slots": tier.kv.storage.capacity,
+                "tier2_entries": tier.tier.M, "tier2_format": cfg.tier_fmt, "dropped_blocks": tier.tier.stats["dropped_blocks"]}
+            cache = build("tova", quarter, cfg.sink)
+            losses, seconds = _stream(model, ids, cache, C, progress=tick("tova_quarter"))
+            caches["tova_quarter"] = _entry(cache, losses, seconds, quarter, budget)
         finally:
             model.set_attn_implementation(before)
     return {"config": asdict(cfg), "tokens": T, "token_bytes": per_token, "matched_memory_tokens": matched,
             "budget_tokens": budget, "caches": caches}
+
+
+def _tier_bytes(tier: Any) -> int:
+    """A compressed tier's device bytes with tier 3 at its peak."""
+    boxes = sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in zip(tier.lo, tier.hi, tier.log_count))
+    return tier.nbytes - boxes + tier.stats["box_bytes_peak"]
+
+
+def _quarter_tier(build: Callable[..., Any], cfg: TwoTierLMConfig, budget: float, per_token: int) -> Any:
+    """The compressed tier within ``budget`` device bytes: ``tier_fp_fraction`` of them a TOVA
+    tier 1 (``sink`` + window slots), the rest tier-2 entries after room for tier 3's boxes at
+    their largest on this stream (every token beyond the ring in a dropped block)."""
+    slots = int(cfg.tier_fp_fraction * budget // per_token)
+    if slots - cfg.sink < 2 * cfg.chunk:
+        raise ValueError(f"the compressed tier's tier 1 ({slots} slots at tier_fp_fraction {cfg.tier_fp_fraction:g}) "
+                         f"cannot hold {cfg.sink} sinks and two chunks of {cfg.chunk}")
+    opts = {"fmt": cfg.tier_fmt, "block": cfg.tier_block, "certify": False}
+    probe = build("tova", slots, cfg.sink, tier={**opts, "capacity": cfg.tier_block})
+    t = probe.tier
+    per_entry = t.L * t.H * t.bytes_per_entry()
+    per_box = t.L * t.H * (2 * t.B * t.D * probe.kv.storage.keys.element_size() + 8)
+    left = budget - probe.kv.nbytes - _policy_bytes(probe) - (t.nbytes - per_entry * cfg.tier_block)
+    cap = cfg.tier_block
+    for c in range(cfg.tier_block, int(left // per_entry) + 1, cfg.tier_block):
+        if c * per_entry + (-(-max(0, cfg.tokens - c) // cfg.tier_block) + 1) * per_box <= left:
+            cap = c
+    return build("tova", slots, cfg.sink, tier={**opts, "capacity": cap})
 
 
 def _entry(cache: Any, losses: Tensor, seconds: float, memory: int, budget: int) -> dict[str, Any]:
