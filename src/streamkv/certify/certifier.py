@@ -50,7 +50,6 @@ from ..storage import position_bias
 from ..validate import check_int, check_real
 from .bound import Certificate, certify
 from .quant_bound import QuantErrors
-from .quant_bound import QuantErrors
 from .sketch import KeySketch
 from .store import OffloadStore
 from .summary import BlockSummaries
@@ -224,8 +223,6 @@ class Certifier(CacheObserver):
     def _reset(self) -> None:
         for s in self.summaries:
             s.reset()
-        if self.quant is not None:
-            self.quant.reset()
         if self.quant is not None:
             self.quant.reset()
         self.store.reset()
