@@ -186,24 +186,12 @@ class Certifier(CacheObserver):
     def on_attach(self, cache: KVCache) -> None:
         if self.attached:
             raise ValueError("a certifier is attached once: build a new one (this one would have missed evictions)")
-        st = cache.storage
-        held = (st.slot_positions[..., : st.capacity] >= 0).sum(-1)  # [L, H]: one sync, at attach
-        if cache.end and int(held.min()) < cache.end:
-            raise ValueError(
-                f"the cache has already evicted (it holds as few as {int(held.min())} of the {cache.end} positions "
-                f"that entered a head): a certifier attached now would miss them and undercount; attach it before "
-                f"the first eviction (or reset the cache)"
-            )
-        if self.recall_tau is not None:
-            if st.recall_owner is not None:
-                raise ValueError("another certifier recalls into this cache's recall slots: one recall owner per cache")
-            st.recall_owner = self
+        claim_unevicted(self, cache, "a certifier attached now would miss them and undercount",
+                        recalls=self.recall_tau is not None)
         self.attached = True
 
     def on_detach(self, cache: KVCache) -> None:
-        if self.storage.recall_owner is self:
-            self.storage.recall_owner = None
-        self.broken = "it was detached from its cache (it no longer sees evictions)"
+        release(self, cache)
 
     def prepare(self, change: Change):
         if change.what == "load":
@@ -490,3 +478,27 @@ def _offsets(counts: list[int]) -> list[int]:
     for c in counts:
         out.append(out[-1] + check_int("count", c))
     return out
+
+
+def claim_unevicted(observer: Any, cache: KVCache, why: str, *, recalls: bool) -> None:
+    """The attach preconditions of an observer that must see every eviction (a certifier, a
+    compressed tier): the cache has evicted nothing yet, and at most one observer recalls into
+    its recall slots (``recalls``: this one claims them). Raises ``ValueError`` naming the value."""
+    st = cache.storage
+    held = (st.slot_positions[..., : st.capacity] >= 0).sum(-1)  # [L, H]: one sync, at attach
+    if cache.end and int(held.min()) < cache.end:
+        raise ValueError(
+            f"the cache has already evicted (it holds as few as {int(held.min())} of the {cache.end} positions "
+            f"that entered a head): {why}; attach it before the first eviction (or reset the cache)"
+        )
+    if recalls:
+        if st.recall_owner is not None:
+            raise ValueError("another observer recalls into this cache's recall slots: one recall owner per cache")
+        st.recall_owner = observer
+
+
+def release(observer: Any, cache: KVCache) -> None:
+    """On detach: give back the recall slots and mark ``observer`` broken (it no longer sees evictions)."""
+    if cache.storage.recall_owner is observer:
+        cache.storage.recall_owner = None
+    observer.broken = "it was detached from its cache (it no longer sees evictions)"

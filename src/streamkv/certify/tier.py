@@ -64,6 +64,7 @@ from ..scoring import fold_groups
 from ..storage import position_bias
 from ..validate import check_int, check_real
 from .bound import Certificate, certify
+from .certifier import claim_unevicted, release
 from .quant_bound import kept_quant_error, logit_slack, value_slack, widen
 
 __all__ = ["CompressedTier"]
@@ -184,21 +185,11 @@ class CompressedTier(CacheObserver):
     def on_attach(self, cache: KVCache) -> None:
         if self.attached:
             raise ValueError("a compressed tier is attached once: build a new one")
-        st = cache.storage
-        held = (st.slot_positions[..., : st.capacity] >= 0).sum(-1)
-        if cache.end and int(held.min()) < cache.end:
-            raise ValueError(f"the cache has already evicted (it holds as few as {int(held.min())} of the {cache.end} "
-                             f"positions that entered a head): attach the compressed tier before the first eviction")
-        if self.recall_tau is not None:
-            if st.recall_owner is not None:
-                raise ValueError("another observer recalls into this cache's recall slots: one recall owner per cache")
-            st.recall_owner = self
+        claim_unevicted(self, cache, "the compressed tier would miss them", recalls=self.recall_tau is not None)
         self.attached = True
 
     def on_detach(self, cache: KVCache) -> None:
-        if self.storage.recall_owner is self:
-            self.storage.recall_owner = None
-        self.broken = "it was detached from its cache (it no longer sees evictions)"
+        release(self, cache)
 
     def prepare(self, change: Change):
         if change.what == "load":
