@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -227,12 +227,12 @@ class PerQueryMass(Oracle):
         return keep.reshape(*lead, n)
 
     def label(self) -> str:
-        extra = ""
-        if self.protect_sinks:
-            extra += f", sinks={self.protect_sinks}"
-        if self.protect_recent:
-            extra += f", recent={self.protect_recent}"
-        return f"mass(tau={self.tau:g}{extra})"
+        return f"mass(tau={self.tau:g}{_protected(self)})"
+
+
+def _protected(oracle: Any) -> str:
+    """The label suffix naming what a mass oracle protects (sinks, recent tokens), if anything."""
+    return "".join(f", {name}={n}" for name, n in (("sinks", oracle.protect_sinks), ("recent", oracle.protect_recent)) if n)
 
 
 @dataclass(frozen=True)
@@ -286,9 +286,4 @@ class PerChunkMass(Oracle):
         return keep.reshape(*p.shape[:-2], 1, n).expand(p.shape).clone()
 
     def label(self) -> str:
-        extra = ""
-        if self.protect_sinks:
-            extra += f", sinks={self.protect_sinks}"
-        if self.protect_recent:
-            extra += f", recent={self.protect_recent}"
-        return f"chunk_mass(size={self.size}{extra})"
+        return f"chunk_mass(size={self.size}{_protected(self)})"
