@@ -351,7 +351,7 @@ def check_positions(device: torch.device, quick: bool) -> dict:
                 raw.commit_chunk(c)
         q = torch.randn(1, chunk, heads, hd, device=device, dtype=dt)
         read = raw.read()
-        kt, vt = read.keys.transpose(1, 2), read.values.transpose(1, 2)
+        kt, vt = raw.keys().transpose(1, 2), raw.values().transpose(1, 2)  # the raw buffers, as stored
 
         def timed(fn, n=5):
             fn()
@@ -493,14 +493,14 @@ class Graph:
         if self.real:
             self.graph.replay()
             return
-        saved = [st.eager_slices for st in self.storages]
+        saved = [st.store.eager_slices for st in self.storages]
         for st in self.storages:
-            st.eager_slices = False
+            st.store.eager_slices = False
         try:
             self.fn()
         finally:
             for st, v in zip(self.storages, saved):
-                st.eager_slices = v
+                st.store.eager_slices = v
 
 
 def _no_syncs(fn, device: torch.device) -> tuple[bool, str]:
@@ -540,8 +540,8 @@ def check_write_paths(device: torch.device, dry: bool, backend: str) -> dict:
     mk = lambda: RingCache(shape, shape, seq_dim=1, sink=S, window=W, chunk=C, num_layers=L,  # noqa: E731
                            dtype=torch.bfloat16, device=device)
     fast, index, comp, graphed = mk(), mk(), mk(), mk()
-    index.storage.eager_slices = False
-    fast.storage.wrap_slices_min_bytes = 0  # a wrapping span as two slices, at any size
+    index.storage.store.eager_slices = False
+    fast.storage.store.wrap_slices_min_bytes = 0  # a wrapping span as two slices, at any size
     static = [(torch.zeros(1, C, H, D, dtype=torch.bfloat16, device=device),
                torch.zeros(1, C, H, D, dtype=torch.bfloat16, device=device)) for _ in range(L)]
 

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from streamkv.attention import attend
+
 from streamkv import KVCache
 from streamkv.budget.oracles import FixedWindow, PerChunkMass
 from streamkv.caches import CacheObserver
@@ -58,7 +60,7 @@ def _run(cache, tier, q, k, v, each):
     for c in range(q.shape[1] // C):
         a, b = c * C, (c + 1) * C
         cache.begin_tokens(C)
-        out = tier.attend(0, q[:, a:b], cache.layer(0).update(k[:, a:b], v[:, a:b], q[:, a:b]))
+        out = attend(q[:, a:b], cache.layer(0).update(k[:, a:b], v[:, a:b], q[:, a:b]), causal=tier.causal)[0]
         each(a, b, out)
         cache.commit()
 
@@ -163,7 +165,7 @@ def test_a_vetoed_commit_leaves_the_tier_unchanged():
     for c in range(6):
         a, b = c * C, (c + 1) * C
         cache.begin_tokens(C)
-        tier.attend(0, q[:, a:b], cache.layer(0).update(k[:, a:b], v[:, a:b], q[:, a:b]))
+        attend(q[:, a:b], cache.layer(0).update(k[:, a:b], v[:, a:b], q[:, a:b]), causal=tier.causal)
         if c == 5:
             before = (list(tier.count[0]), tier.live.clone(), tier.host_bytes, tier.k_codes.clone())
             veto.armed = True

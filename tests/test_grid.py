@@ -113,7 +113,7 @@ def test_ring_write_paths_are_bit_exact(dtype, k_dim):
     kw = dict(seq_dim=1, sink=g.sink, window=g.window, chunk=g.chunk, dtype=dtype)
     ring = RingCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
     chron = ChronologicalCache((2, cap, 3, k_dim), (2, cap, 3, k_dim), **kw)
-    assert (ring.storage._k_wide is not None) == (k_dim * torch.finfo(dtype).bits // 8 % 8 == 0)
+    assert (ring.storage.store._k_wide is not None) == (k_dim * torch.finfo(dtype).bits // 8 % 8 == 0)
     gen = torch.Generator().manual_seed(0)
     for c in range(3 * cap // g.chunk):
         k = torch.randn(2, g.chunk, 3, k_dim, generator=gen).to(dtype)

@@ -1,84 +1,151 @@
-"""The key-blocked attention kernel (online softmax over blocks of slots) against the
-query-blocked one that materialises whole rows: equal outputs, log-sum-exps and per-key
-statistics, whatever the block boundaries and masks."""
+"""The one block loop (:func:`streamkv.blockread.read_blocks`) against the query-blocked kernel that
+materialises whole rows: equal outputs, log-sum-exps and per-slot statistics, whatever the
+segments, block boundaries, masks, storage bases and slot maps; and ``attend`` through it equal to
+the dense read."""
 
 import math
 
 import pytest
 import torch
 
-from streamkv.scoring import blockwise_attention, key_blockwise_attention
+from streamkv.blockread import BlockPlan, Statistic, read_blocks
+from streamkv.scoring import blockwise_attention
+from streamkv.storage import position_bias
+from streamkv.stores import Dims, Segment
+
+B, H, D = 2, 3, 8
+DIMS = Dims((B, 12, H, D), (B, 12, H, 5), seq=1, head=2, slots=12, chunk=4)
 
 
-def _blocks(k, v, bias, cuts):
-    def gen():
-        edges = [0, *cuts, k.shape[-2]]
-        for a, b in zip(edges[:-1], edges[1:]):
-            yield k[..., a:b, :], v[..., a:b, :], None if bias is None else bias[..., a:b]
-    return gen
+def _segments(k, v, pos, cuts, *, basis=None, slot_maps=False):
+    """``k``/``v`` ``[B, H, S, D]`` cut into segments at ``cuts``; with ``basis`` every other segment
+    stores ``x @ R.T``; with ``slot_maps`` segments name their slots by a per-head map (reversed)."""
+    edges = [0, *cuts, k.shape[-2]]
+    out = []
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        kk, vv, kb, vb = k[..., a:b, :], v[..., a:b, :], None, None
+        if basis is not None and i % 2:
+            kk, kb = kk @ basis[0].T.to(kk.dtype), basis[0]
+            if vv.shape[-1] == basis[1].shape[0]:
+                vv, vb = vv @ basis[1].T.to(vv.dtype), basis[1]
+        slots = a
+        p = pos[:, a:b]
+        if slot_maps:  # the same rows, listed backwards, each naming its slot
+            kk, vv, p = kk.flip(-2), vv.flip(-2), p.flip(-1)
+            slots = torch.arange(a, b).flip(0).expand(H, -1).clone()
+        out.append(Segment(n=b - a, positions=p, keys=kk, values=vv, features=(k.shape[-1], v.shape[-1]),
+                           dtype=k.dtype, k_basis=kb, v_basis=vb, slots=slots))
+    return out
 
 
-@pytest.mark.parametrize("cuts", [[], [1], [3, 4], [2, 5, 9], list(range(1, 12))])
-@pytest.mark.parametrize("masked", [False, True])
-def test_key_blocks_equal_whole_rows(cuts, masked):
-    g = torch.Generator().manual_seed(len(cuts) * 2 + masked)
-    B, H, Q, S, D = 2, 3, 5, 12, 4
-    q, k = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64), torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, S, 3, generator=g, dtype=torch.float64)
-    bias = None
-    if masked:  # whole blocks hidden for some rows, including the first block
-        hide = torch.rand(1, H, Q, S, generator=g) < 0.5
-        hide[..., 0, :6] = True
-        hide[..., :, -1] = False  # every row sees something
-        bias = torch.zeros(hide.shape, dtype=torch.float64).masked_fill(hide, -math.inf)
+def _signed_permutation(n, g):
+    """An orthogonal matrix exact in every float type (the stores' Hadamard basis is orthogonal only
+    to float32 rounding: 1/sqrt(D) is not a float)."""
+    r = torch.zeros(n, n, dtype=torch.float64)
+    r[torch.arange(n), torch.randperm(n, generator=g)] = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    return r
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [3, 4], [2, 5, 9]])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "basis", "slot_maps", "value_dim"])
+def test_block_read_equals_whole_rows(cuts, causal, variant):
+    g = torch.Generator().manual_seed(len(cuts) * 4 + causal * 2 + len(variant))
+    S, Q = 12, 5
+    dv = 5 if variant == "value_dim" else D
+    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, S, dv, generator=g, dtype=torch.float64)
+    pos = torch.randperm(S, generator=g).expand(H, -1).clone()
+    pos[0, 2] = -1  # an empty slot in one head
+    pos[1, 7] = -1
+    qp = torch.arange(6, 6 + Q)  # causal: queries at positions 6..10 see keys at positions <= theirs
+    basis = (_signed_permutation(D, g), _signed_permutation(dv, g)) if variant == "basis" else None
+    segs = _segments(k, v, pos, cuts, basis=basis, slot_maps=variant == "slot_maps")
+    dims = Dims((B, S, H, D), (B, S, H, dv), seq=1, head=2, slots=S, chunk=Q)
+    plan = BlockPlan(segs, dims, 0.5, qp, causal, None, None, Statistic(), S, block=3, lse=True)
+    got = read_blocks(q, plan)
+    bias = position_bias(pos, qp if causal else None, torch.float64).unsqueeze(0)  # [1, H, Q|1, S]
     ref = blockwise_attention(q, k, v, bias, scale=0.5, statistics=True, lse=True, head_axis=1)
-    got = key_blockwise_attention(q, _blocks(k, v, bias, cuts), scale=0.5, statistics=True, lse=True, head_axis=1)
-    for a, b in ((got.out, ref.out), (got.lse, ref.lse), (got.key_max, ref.key_max), (got.key_sum, ref.key_sum)):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-13), (a - b).abs().max()
+    for name, a, b in (("out", got.out, ref.out), ("lse", got.lse, ref.lse), ("max", got.key_max, ref.key_max),
+                       ("sum", got.key_sum, ref.key_sum)):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-12), (name, (a - b).abs().max())
 
 
-def test_a_row_that_sees_nothing_is_nan_as_in_the_row_kernel():
-    q, k, v = torch.randn(1, 2, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
-    bias = torch.zeros(1, 2, 3)
-    bias[0, 0] = -math.inf
-    got = key_blockwise_attention(q, _blocks(k, v, bias, [1]), scale=1.0)
-    assert torch.isnan(got.out[0, 0]).all() and torch.isfinite(got.out[0, 1]).all()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grouped_queries_and_newest_rows(dtype):
+    """Grouped-query attention (6 query heads on 3 key heads) and a statistic over the newest 2 rows."""
+    g = torch.Generator().manual_seed(5)
+    S, Q = 12, 4
+    q = torch.randn(B, 2 * H, Q, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=dtype) for _ in range(2))
+    pos = torch.arange(S).expand(H, -1)
+    dims = Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=Q)
+    plan = BlockPlan(_segments(k, v, pos, [5]), dims, 0.3, None, False, None, None, Statistic(rows=2, reduce=("sum",)),
+                     S, block=4, lse=True)
+    got = read_blocks(q, plan)
+    kr = k.repeat_interleave(2, 1)
+    vr = v.repeat_interleave(2, 1)
+    ref = blockwise_attention(q, kr, vr, None, scale=0.3, lse=True, head_axis=1)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert torch.allclose(got.out, ref.out, rtol=tol, atol=tol) and torch.allclose(got.lse, ref.lse, rtol=tol, atol=tol)
+    p = torch.softmax(q[..., -2:, :].double() @ kr.double().transpose(-1, -2) * 0.3, -1)  # [B, 2H, 2, S]
+    want = p.reshape(B, H, 2, 2, S).sum(dim=(0, 2, 3))
+    assert got.key_max is None and torch.allclose(got.key_sum, want, rtol=1e-5, atol=1e-6)
 
 
-def test_no_blocks_is_refused():
+def test_a_row_that_sees_nothing_is_nan_and_no_block_is_refused():
+    q = torch.randn(1, H, 2, D, dtype=torch.float64)
+    k, v = torch.randn(1, H, 3, D, dtype=torch.float64), torch.randn(1, H, 3, D, dtype=torch.float64)
+    pos = torch.tensor([[5, 6, 7]]).expand(H, -1)
+    dims = Dims((1, 3, H, D), (1, 3, H, D), seq=1, head=2, slots=3, chunk=2)
+    plan = BlockPlan(_segments(k, v, pos, [1]), dims, 1.0, torch.tensor([4, 6]), True, None, None, None, 3, block=2)
+    out = read_blocks(q, plan).out
+    assert torch.isnan(out[:, :, 0]).all() and torch.isfinite(out[:, :, 1]).all()
     with pytest.raises(ValueError, match="at least one key block"):
-        key_blockwise_attention(torch.randn(1, 2, 4), lambda: iter(()), scale=1.0)
+        read_blocks(q, BlockPlan([], dims, 1.0))
 
 
 @pytest.mark.parametrize("kind", ["ring", "tova"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attend_through_load_equals_the_dense_read(kind, causal):
-    """A read that hands its slots out a block at a time (``read.load``) attends exactly as the
-    dense read does, statistics for a scored policy included."""
-    import dataclasses
-
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_attend_through_the_block_loop_equals_float64_over_the_stored_values(kind, causal, fmt):
+    """Every read goes through the one loop or SDPA: equal to float64 attention over the values the
+    cache stores (dequantised), statistics for a scored policy included."""
     from streamkv import KVCache
     from streamkv.attention import attend
 
-    def build():
-        c = KVCache((1, 12, 2, 4), (1, 12, 2, 4), seq_dim=1, sink=2, window=10, chunk=3, policy=kind,
-                    dtype=torch.float64)
-        return c
-
+    cache = KVCache((1, 12, 2, 4), (1, 12, 2, 4), seq_dim=1, sink=2, window=10, chunk=3, policy=kind,
+                    dtype=torch.float64, quant=fmt)
     g = torch.Generator().manual_seed(7)
-    dense, blocked = build(), build()
     for c in range(6):
         q, k, v = (torch.randn(1, 3, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        outs = []
-        for cache, via_load in ((dense, False), (blocked, True)):
-            cache.begin_chunk(c)
-            read = cache.layer(0).update(k, v)
-            if via_load:
-                keys, values, seq = read.keys, read.values, read.seq_dim
-                read = dataclasses.replace(read, load=lambda a, b: (keys.narrow(seq, a, b - a),
-                                                                   values.narrow(seq, a, b - a)))
-            out, info = attend(q, read, causal=causal, block=4)
-            outs.append(out)
-            cache.commit_chunk(c)
-        assert torch.allclose(outs[0], outs[1], rtol=1e-12, atol=1e-13)
-        assert torch.equal(dense.slot_positions, blocked.slot_positions)
+        cache.begin_chunk(c)
+        read = cache.layer(0).update(k, v)
+        out, _ = attend(q, read, causal=causal, block=4)
+        keys, values = cache.keys(0), cache.values(0)
+        pos = cache.layer_slot_positions(0)
+        bias = position_bias(pos, read.query_positions if causal else None, torch.float64).unsqueeze(0)
+        want = blockwise_attention(q.transpose(1, 2), keys.transpose(1, 2).double(), values.transpose(1, 2).double(),
+                                   bias, scale=0.5).out.transpose(1, 2)
+        assert torch.allclose(out, want, rtol=1e-12, atol=1e-12), (c, (out - want).abs().max())
+        cache.commit_chunk(c)
+
+
+def test_queries_with_a_strided_feature_dim():
+    """CPU's fused kernel reads rows with unit stride only: a query view with a strided feature dim
+    (every other element of a wider tensor) must give the same output as a contiguous one."""
+    g = torch.Generator().manual_seed(11)
+    S, Q = 10, 2
+    wide = torch.randn(B, H, Q, 2 * D, generator=g, dtype=torch.float64)
+    q = wide[..., ::2]
+    assert q.stride(-1) == 2
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(S).expand(H, -1).clone()
+    pos[:, 4:] = -1
+    dims = Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=Q)
+    plan = BlockPlan(_segments(k, v, pos, []), dims, 0.5, None, False, None, None, None, S, block=16)
+    got = read_blocks(q, plan).out
+    want = read_blocks(q.contiguous(), plan).out
+    ref = blockwise_attention(q, k, v, position_bias(pos, None, torch.float64).unsqueeze(0), scale=0.5).out
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-13) and torch.allclose(want, ref, rtol=1e-12, atol=1e-13)

@@ -10,9 +10,10 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 
 #: the library's layers, bottom first: a module may import its own layer and the ones below
 LAYERS = [
-    {"validate", "layout", "budget", "reference", "quant"},
-    {"storage", "quant_store"},
-    {"scoring", "rotary", "positions", "rope_at_read"},
+    {"validate", "layout", "budget", "reference"},
+    {"stores", "quant"},
+    {"storage"},
+    {"scoring", "rotary", "positions", "rope_at_read", "blockread"},
     {"policies"},
     {"caches"},
     {"attention", "rope", "distributed", "recache"},

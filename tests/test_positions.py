@@ -26,7 +26,7 @@ from streamkv.positions import POSITION_MAPS, position_map
 from streamkv.rope import Rope3D
 from streamkv.rope_at_read import RopeAtRead
 from streamkv.rotary import _PI, ANGLE_ERROR, FrameRope, Rope1D, exact_angles, limb_residues
-from streamkv.scoring import blockwise_attention, key_blockwise_attention
+from streamkv.scoring import blockwise_attention
 
 FP64 = 1e-12
 LAYOUTS = default_map_layouts()
@@ -166,27 +166,6 @@ def test_frame_rope_reindexes_the_frame_band_only():
     assert torch.equal(a[:, t:], b[:, t:]) and not torch.equal(a[:, :t], b[:, :t])
     frames = pos // fr.tokens_per_unit  # absolute: the same angles as Rope3D at write
     assert torch.allclose(fr.angles(frames, pos), rope3d.angles(pos), rtol=0, atol=1e-12)
-
-
-# ---------------------------------------------------------------------- the fused kernel
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_key_blocks_equal_the_row_kernel_with_hidden_blocks(dtype):
-    g = torch.Generator().manual_seed(3)
-    B, H, Q, S, D = 2, 3, 5, 12, 4
-    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for n in (Q, S, S))
-    hide = torch.rand(1, H, Q, S, generator=g) < 0.5
-    hide[..., 0, :8] = True  # whole blocks hidden for a row
-    hide[..., :, -1] = False
-    bias = torch.zeros(hide.shape, dtype=dtype).masked_fill(hide, -math.inf)
-
-    def blocks():
-        for a in range(0, S, 4):
-            yield k[..., a:a + 4, :], v[..., a:a + 4, :], bias[..., a:a + 4]
-
-    ref = blockwise_attention(q, k, v, bias, scale=0.5, lse=True)
-    got = key_blockwise_attention(q, blocks, scale=0.5, lse=True)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    assert torch.allclose(got.out, ref.out, atol=tol, rtol=tol) and torch.allclose(got.lse, ref.lse, atol=tol, rtol=tol)
 
 
 # ---------------------------------------------------------------------- refusals

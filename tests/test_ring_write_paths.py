@@ -34,9 +34,9 @@ def _pair(sink: int, window: int, chunk: int, layout: str, dtype: torch.dtype, w
     mk = lambda: RingCache(shape, shape, seq_dim=seq, sink=sink, window=window, chunk=chunk, num_layers=2,  # noqa: E731
                            dtype=dtype)
     fast, index = mk(), mk()
-    index.storage.eager_slices = False
+    index.storage.store.eager_slices = False
     if wrap_slices:  # small test spans: take the two-slice path where they wrap, too
-        fast.storage.wrap_slices_min_bytes = 0
+        fast.storage.store.wrap_slices_min_bytes = 0
     return fast, index, seq
 
 
@@ -143,7 +143,7 @@ def test_a_compiled_write_follows_the_device_plan():
     shape = (1, 9, 2, 4)
     cache = RingCache(shape, shape, seq_dim=1, sink=2, window=7, chunk=3, num_layers=1)
     ref = RingCache(shape, shape, seq_dim=1, sink=2, window=7, chunk=3, num_layers=1)
-    ref.storage.eager_slices = False
+    ref.storage.store.eager_slices = False
     cnt = CompileCounter()
     compiled = torch.compile(lambda k, v: cache.write(k, v), backend=cnt, fullgraph=True)
     gen = torch.Generator().manual_seed(0)

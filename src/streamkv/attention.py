@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .caches.read import KVRead, Occupancy
-from .storage import position_bias, position_mask
+from .storage import position_bias
 from .validate import check_real
-from .scoring import blockwise_attention, check_block, fold_groups, key_blockwise_attention, unfold_groups
+from .blockread import read_blocks
+from .scoring import blockwise_attention, check_block, fold_groups, unfold_groups
 
 __all__ = ["attend", "AttentionInfo", "Order", "RopeMode"]
 
@@ -122,6 +123,41 @@ def attend(
     """
     read = source if isinstance(source, KVRead) else _read_of(source)
     block = check_block(block)
+    path = _check(q, read, order, rope_mode, key_transform, attn_mask, causal, window, return_lse)
+    if scale is not None:
+        scale = check_real("scale", scale, positive=True)
+    qt = read.dims.attention(q)
+    scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
+    if path == "chronological":
+        out, lse, keys_read = _chronological(qt, read, key_transform, attn_mask, causal, window, scale, return_lse)
+        return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=None, keys_read=keys_read, lse=lse)
+    segments = read.segments()
+    scored = read.scorer is not None
+    plain = len(segments) == 1 and segments[0].contiguous and read.rope_at_read is None
+    if plain and not scored and not return_lse:
+        out = _sdpa(qt, read, segments[0], causal, window, scale)
+        return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=read.occupancy,
+                                                            keys_read=read.visible)
+    if plain and read.occupancy == "prefix":
+        segments = [_prefix(segments[0], read.visible)]
+    qt, plan = read.block_plan(qt, scale=scale, causal=causal, window=window,
+                               statistic=read.statistic if scored else None, block=max(block, _KEY_BLOCK),
+                               lse=return_lse, segments=segments)
+    res = read_blocks(qt, plan)
+    if scored:
+        read.scorer(res.key_max, res.key_sum)
+    info = AttentionInfo(path=path, occupancy=read.occupancy, keys_read=sum(s.n for s in segments), lse=res.lse,
+                         scored=scored)
+    return read.dims.from_attention(res.out), info
+
+
+#: key rows per block of the block loop (at least; ``attend``'s ``block`` if larger)
+_KEY_BLOCK = 16384
+
+
+def _check(q: Tensor, read: KVRead, order: str, rope_mode: str, key_transform, attn_mask, causal: object,
+           window: object, return_lse: object) -> str:
+    """Every option checked against the read, before any work; returns the path."""
     if order not in ("auto", "physical", "chronological"):
         raise ValueError(f"order must be 'auto', 'physical' or 'chronological', got {order!r}")
     if rope_mode not in ("absolute", "cache_relative"):
@@ -131,8 +167,8 @@ def attend(
     if rope_mode != "cache_relative" and key_transform is not None:
         raise ValueError(f"key_transform is applied only with rope_mode='cache_relative' (keys stored unrotated); "
                          f"with rope_mode={rope_mode!r} it would be ignored")
-    if scale is not None:
-        scale = check_real("scale", scale, positive=True)
+    if key_transform is not None and not callable(key_transform):
+        raise TypeError(f"key_transform must be callable, got {type(key_transform).__name__}")
     if not isinstance(return_lse, bool) or not isinstance(causal, bool):
         raise TypeError(f"causal and return_lse must be bools, got {causal!r} and {return_lse!r}")
     _check_query(q, read)
@@ -155,116 +191,82 @@ def attend(
     if read.rope_at_read is not None and rope_mode == "cache_relative":
         raise ValueError(f"{read.name} rotates its raw keys by a position map at read (rope_at_read): "
                          f"rope_mode='cache_relative' with a key_transform would rotate them twice")
-    if causal and read.query_positions is None:
-        raise ValueError("causal=True needs an open chunk: its rows' positions are the queries' positions")
-    if causal and q.shape[read.seq_dim] != read.query_positions.numel():
-        raise ValueError(f"causal=True: q has {q.shape[read.seq_dim]} rows, the open chunk "
-                         f"{read.query_positions.numel()}")
+    rows = q.shape[read.seq_dim]
+    if (causal or read.rope_at_read is not None) and read.query_positions is None:
+        why = "causal=True" if causal else f"{read.name}: rotation at read (rope_at_read)"
+        raise ValueError(f"{why} needs the queries' positions, and no span is open (begin_chunk / begin_tokens, "
+                         f"then update, then attend)")
+    if (causal or read.rope_at_read is not None) and rows != read.query_positions.numel():
+        why = "causal=True" if causal else f"{read.name} rotates queries at their positions (rope_at_read)"
+        raise ValueError(f"{why}: q has {rows} rows, the open span {read.query_positions.numel()}: the queries are "
+                         f"the open span's rows")
     if attn_mask is not None:
         _check_mask(attn_mask, q, read)
+    return path
 
-    seq = read.seq_dim
-    qt = q.movedim(seq, -2)
-    scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
-    rotation = None
-    key_block = block
-    if read.rope_at_read is not None:  # raw keys: rotate the queries now, the keys as they are read
-        key_block = read.rope_at_read.block  # the rotation's own block size (RopeAtRead(block=))
-        rotation = read.rope_at_read.plan(read)
-        qt = rotation.queries(qt)
-        if path == "physical":
-            read = dataclasses.replace(read, load=rotation.load(read.load), rope_at_read=None)
-    bias: Tensor | None = None
-    occupancy: Occupancy | None = read.occupancy
-    if path == "physical":
-        k, v = read.keys.movedim(seq, -2), read.values.movedim(seq, -2)
-        if read.occupancy == "prefix":
-            k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
-        if read.load is not None:
-            pass  # the bias is built a block of slots at a time (_key_blocks): memory O(block)
-        elif causal:
-            bias = read.causal_bias(read.query_positions, qt.dtype, window)
-        else:
-            bias = read.bias(qt.dtype)
+
+def _sdpa(qt: Tensor, read: KVRead, seg, causal: bool, window: int | None, scale: float) -> Tensor:
+    """One dense buffer as it lies: SDPA, with the mask the occupancy (and causality) needs."""
+    k, v = seg.keys, seg.values
+    if read.occupancy == "prefix":
+        k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
+    if causal:
+        bias = read.causal_bias(read.query_positions, qt.dtype, window)
     else:
-        occupancy = None
-        kc, vc, positions = read.chronological()
-        k, v = kc.movedim(seq, -2), vc.movedim(seq, -2)
-        if rotation is not None:
-            k = rotation.chronological_keys(k, positions)
-        if key_transform is not None:
-            k = key_transform(k)
-        if attn_mask is not None:
-            bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
-                attn_mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(~attn_mask, float("-inf"))
-        if causal:
-            kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
-            cb = position_bias(kp, read.query_positions, qt.dtype, window)
-            bias = cb if bias is None else bias + cb
-    # grouped-query attention: fold the query heads of each key head into its query rows
-    groups = 1
-    if read.head_axis is not None and qt.shape[read.head_axis] != read.keys.shape[_head_dim(read)]:
-        heads = read.keys.shape[_head_dim(read)]
-        groups = qt.shape[read.head_axis] // heads
-        qt = fold_groups(qt, heads, read.head_axis)
+        bias = read.bias(qt.dtype) if read.occupancy == "mask" else None
+    heads = read.dims.heads
+    ha = read.head_axis
+    groups = 1 if ha is None or qt.shape[ha] == heads else qt.shape[ha] // heads
+    if groups > 1:
+        qf = fold_groups(qt, heads, ha)
         if bias is not None and bias.shape[-2] != 1:
             bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
-    scored = read.scorer is not None and path == "physical"
-    if path == "physical" and read.load is not None:
-        res = key_blockwise_attention(qt, _key_blocks(read, key_block, causal, groups, window), scale=scale,
-                                      statistics=scored, lse=return_lse, head_axis=read.head_axis)
+        return unfold_groups(F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale), groups, ha)
+    return F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale)
+
+
+def _prefix(seg, visible: int):
+    """A dense segment's first ``visible`` rows (the occupied prefix of a filling window cache)."""
+    return dataclasses.replace(seg, n=visible, positions=seg.positions[:, :visible],
+                               keys=seg.keys.narrow(-2, 0, visible), values=seg.values.narrow(-2, 0, visible))
+
+
+def _chronological(qt: Tensor, read: KVRead, key_transform, attn_mask, causal: bool, window: int | None,
+                   scale: float, return_lse: bool) -> tuple[Tensor, Tensor | None, int]:
+    """Keys gathered in position order (masks over them, cache-relative RoPE)."""
+    kc, vc, positions = read.chronological()
+    k, v = read.dims.attention(kc).to(qt.dtype), read.dims.attention(vc).to(qt.dtype)
+    if read.rope_at_read is not None:  # raw keys: the queries and the gathered keys rotated by the map
+        rotation = read.rope_at_read.plan(read)
+        qt = rotation.queries(qt)
+        k = rotation.chronological_keys(k, positions)
+    if key_transform is not None:
+        shape = tuple(k.shape)
+        k = key_transform(k)
+        if not isinstance(k, Tensor) or tuple(k.shape) != shape or k.dtype != qt.dtype:
+            got = f"{tuple(k.shape)} {k.dtype}" if isinstance(k, Tensor) else type(k).__name__
+            raise ValueError(f"key_transform must return the keys it was given, rotated: a {shape} {qt.dtype} tensor, "
+                             f"got {got}")
+    bias = None
+    if attn_mask is not None:
+        bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
+            attn_mask.shape, dtype=qt.dtype, device=qt.device).masked_fill(~attn_mask, float("-inf"))
+    if causal:
+        kp = torch.tensor(positions, dtype=torch.long, device=qt.device)
+        cb = position_bias(kp, read.query_positions, qt.dtype, window)
+        bias = cb if bias is None else bias + cb
+    heads, ha = read.dims.heads, read.head_axis
+    groups = 1 if ha is None or qt.shape[ha] == heads else qt.shape[ha] // heads
+    qf = fold_groups(qt, heads, ha)
+    if bias is not None and groups > 1 and bias.dim() >= 2 and bias.shape[-2] != 1:
+        bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
+    if return_lse:
+        res = blockwise_attention(qf, k, v, bias, scale=scale, lse=True, head_axis=ha)
         out, lse = res.out, res.lse
-        if scored:
-            read.scorer(res.key_max, res.key_sum)
-    elif scored or return_lse:
-        res = blockwise_attention(qt, k, v, bias, scale=scale, block=block, statistics=scored, lse=return_lse,
-                                  head_axis=read.head_axis)
-        out, lse = res.out, res.lse
-        if scored:
-            read.scorer(res.key_max, res.key_sum)
+        lse = unfold_groups(lse.unsqueeze(-1), groups, ha).squeeze(-1)
     else:
-        out, lse = F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale), None
-    if groups > 1:
-        out = unfold_groups(out, groups, read.head_axis)
-        if lse is not None:
-            lse = unfold_groups(lse.unsqueeze(-1), groups, read.head_axis).squeeze(-1)
-    info = AttentionInfo(path=path, occupancy=occupancy, keys_read=read.visible if path == "physical" else k.shape[-2],
-                         lse=lse, scored=scored)
-    return out.movedim(-2, seq), info
-
-
-def _key_blocks(read: KVRead, block: int, causal: bool, groups: int, window: int | None = None):
-    """The read's slots ``[0, visible)`` as attendable blocks of ``block`` slots (``read.load``),
-    each with its own mask (empty slots; with ``causal``, later positions and, with ``window``,
-    those out of the window): nothing of size ``O(slots)`` besides the positions."""
-    seq = read.seq_dim
-
-    def bias_of(a: int, b: int) -> Tensor | None:
-        pos = read.positions[:, a:b]
-        if causal:
-            hidden = position_mask(pos, read.query_positions, window)  # [H, Q, s]
-        elif read.occupancy == "mask":
-            hidden = position_mask(pos)  # [H, 1, s]
-        else:
-            return None
-        bias = hidden  # a bool mask (True hides): applied in place to the block's scores
-        shape = [1] * (read.keys.dim() - 2) + list(bias.shape[-2:])
-        if read.head_axis is None:
-            bias = bias[0].view(shape)
-        else:
-            shape[read.head_axis] = bias.shape[0]
-            bias = bias.view(shape)
-        if groups > 1 and bias.shape[-2] != 1:
-            bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
-        return bias
-
-    def blocks():
-        for a in range(0, read.visible, block):
-            b = min(a + block, read.visible)
-            k, v = read.load(a, b)
-            yield k.movedim(seq, -2), v.movedim(seq, -2), bias_of(a, b)
-
-    return blocks
+        out, lse = F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale), None
+    return unfold_groups(out, groups, ha), lse, k.shape[-2]
 
 
 def _read_of(source: object) -> KVRead:
@@ -300,28 +302,23 @@ def _check_mask(mask: object, q: Tensor, read: KVRead) -> None:
 def _check_query(q: Tensor, read: KVRead) -> None:
     if not isinstance(q, Tensor):
         raise TypeError(f"q must be a Tensor, got {type(q).__name__}")
-    keys = read.keys
-    if q.dtype != keys.dtype:
-        raise TypeError(f"q must have the cache dtype {keys.dtype}, got {q.dtype}")
-    if q.device != keys.device:
-        raise ValueError(f"q must be on the cache device {keys.device}, got {q.device}")
-    if q.dim() != keys.dim():
-        raise ValueError(f"q must have rank {keys.dim()} like the cache's keys {tuple(keys.shape)}, got {tuple(q.shape)}")
-    for d in range(keys.dim()):
+    shape = read.k_shape
+    if q.dtype != read.dtype:
+        raise TypeError(f"q must have the cache dtype {read.dtype}, got {q.dtype}")
+    if q.device != read.device:
+        raise ValueError(f"q must be on the cache device {read.device}, got {q.device}")
+    if q.dim() != len(shape):
+        raise ValueError(f"q must have rank {len(shape)} like the cache's keys {shape}, got {tuple(q.shape)}")
+    for d in range(len(shape)):
         if d == read.seq_dim:
             continue
-        qs, ks = q.shape[d], keys.shape[d]
-        head = read.head_axis is not None and d == _head_dim(read)
+        qs, ks = q.shape[d], shape[d]
+        head = d == read.dims.head
         if qs != ks and not (head and qs % ks == 0):
-            what = "features" if d == keys.dim() - 1 else ("heads (or a multiple)" if head else f"dim {d}")
+            what = "features" if d == len(shape) - 1 else ("heads (or a multiple)" if head else f"dim {d}")
             raise ValueError(
-                f"q must match the cache's keys in {what}: q {tuple(q.shape)} vs keys {tuple(keys.shape)} "
+                f"q must match the cache's keys in {what}: q {tuple(q.shape)} vs keys {shape} "
                 f"(dim {d}: {qs} vs {ks}); no broadcasting"
             )
     if q.shape[read.seq_dim] < 1:
         raise ValueError("q has no query rows")
-
-
-def _head_dim(read: KVRead) -> int:
-    lead = [d for d in range(read.keys.dim() - 1) if d != read.seq_dim]
-    return lead[read.head_axis]

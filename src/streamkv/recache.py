@@ -61,9 +61,10 @@ def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | No
         raise RuntimeError("recache: this cache has observers, which are not told of re-caches; remove them first")
     layer = cache.checks.layer(layer)
     cache.checks.mutable("recache")
-    if cache.storage.codes is not None:
-        raise RuntimeError("recache: quantised storage is re-cached by rebuilding the cache (codes are written once, "
-                           "at commit, through the device plan); not in place")
+    bufs = cache.storage.store.buffers()
+    if bufs is None:
+        raise RuntimeError(f"recache: this cache stores {cache.storage.store!r}, re-cached by rebuilding the cache "
+                           f"(codes are written once, at commit, through the device plan); not in place")
     start = check_int("start", start, 0)
     st = cache.storage
     seq = st.seq_dim
@@ -86,18 +87,17 @@ def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | No
                              f"{cache.name} cache (it holds {held[:3]}...{held[-3:]}): only held positions can be "
                              f"re-cached in place")
         slots = torch.tensor([slot_of[p] for p in range(start, start + n)], dtype=torch.long, device=st.device)
-        st.keys[layer].index_copy_(seq, slots, k)
-        st.values[layer].index_copy_(seq, slots, v)
+        bufs[0][layer].index_copy_(seq, slots, k)
+        bufs[1][layer].index_copy_(seq, slots, v)
         return n * st.heads
     rows = positions - start
     hit = (rows >= 0) & (rows < n) & (positions >= 0)
     head_idx, slot_idx = hit.nonzero(as_tuple=True)  # one sync
     row_idx = rows[head_idx, slot_idx]
-    perm = st._perm  # (token, head, other dims..., feature): the per-head write's view
-    if st.head_dim is None:
-        st.keys[layer].index_copy_(seq, slot_idx, k.index_select(seq, row_idx))
-        st.values[layer].index_copy_(seq, slot_idx, v.index_select(seq, row_idx))
-    else:
-        st.keys[layer].permute(perm).index_put_((slot_idx, head_idx), k.permute(perm)[row_idx, head_idx])
-        st.values[layer].permute(perm).index_put_((slot_idx, head_idx), v.permute(perm)[row_idx, head_idx])
+    per_head = st.dims.rows  # (token, head, other dims..., feature): the per-head write's view
+    for buf, x in zip(bufs, (k, v)):
+        if st.head_dim is None:
+            buf[layer].index_copy_(seq, slot_idx, x.index_select(seq, row_idx))
+        else:
+            per_head(buf[layer]).index_put_((slot_idx, head_idx), per_head(x)[row_idx, head_idx])
     return int(head_idx.numel())

@@ -149,46 +149,58 @@ class RopeAtRead:
         return self.maps[self.names.index(name)]
 
     # ------------------------------------------------------------------ evaluation
+    def _inputs(self, positions: Tensor, query_positions: Tensor) -> tuple[MapInputs, Tensor]:
+        """The map inputs of a read (held units ``[H, S]``, the span's first unit) and the queries' units."""
+        rot = self._device_rotary
+        if rot is None:
+            raise RuntimeError("RopeAtRead is not bound to a cache (pass it as rope_at_read= to a cache)")
+        units = rot.units(positions)
+        q_units = rot.units(query_positions).view(1, -1).expand(units.shape[0], -1)
+        return MapInputs(units, q_units[:, :1], self.sink_units), q_units
+
+    def _evaluate(self, inp: MapInputs, units: Tensor) -> Tensor:
+        """The map in use at ``units [H, N]`` (every map evaluated, one selected by the device index)."""
+        vals = [m(inp, units) for m in self.maps]
+        if len(vals) == 1:
+            return vals[0]
+        dt = torch.float64 if any(v.dtype.is_floating_point for v in vals) else torch.long
+        return torch.stack([v.to(dt) for v in vals]).index_select(0, self._selected.view(1))[0]
+
     def rotation_units(self, positions: Tensor, query_positions: Tensor, extra: Tensor | None = None
                        ) -> tuple[Tensor, Tensor, Tensor | None]:
         """``(keys [H, S], queries [H, Q], extra)`` rotation offsets (relative to the first
         query) for held slot ``positions [H, S]`` and the span's ``query_positions [Q]``;
         ``extra`` (positions ``[H, N]``, e.g. the chronological order) mapped alike."""
-        rot = self._device_rotary
-        if rot is None:
-            raise RuntimeError("RopeAtRead is not bound to a cache (pass it as rope_at_read= to a cache)")
-        units = rot.units(positions)
-        H = units.shape[0]
-        q_units = rot.units(query_positions).view(1, -1).expand(H, -1)
-        inp = MapInputs(units, q_units[:, :1], self.sink_units)
-        todo = [units, q_units] + ([rot.units(extra)] if extra is not None else [])
-        outs = []
-        for u in todo:
-            vals = [m(inp, u) for m in self.maps]
-            if len(vals) == 1:
-                outs.append(vals[0])
-            else:
-                dt = torch.float64 if any(v.dtype.is_floating_point for v in vals) else torch.long
-                outs.append(torch.stack([v.to(dt) for v in vals]).index_select(0, self._selected.view(1))[0])
-        origin = outs[1][:, :1]
-        res = [o - origin for o in outs]
-        return res[0], res[1], (res[2] if extra is not None else None)
+        inp, q_units = self._inputs(positions, query_positions)
+        q_rot = self._evaluate(inp, q_units)
+        origin = q_rot[:, :1]
+        keys = self._evaluate(inp, inp.held) - origin
+        ext = None if extra is None else self._evaluate(inp, self._device_rotary.units(extra)) - origin
+        return keys, q_rot - origin, ext
 
     def plan(self, read: Any) -> RotationPlan:
-        """The rotation of one read (a :class:`~streamkv.caches.KVRead`)."""
+        """The rotation of one read (a :class:`~streamkv.caches.KVRead`): the map's inputs from
+        the slots the read holds, evaluated at any block's positions as it is read."""
         if read.query_positions is None:
             raise ValueError(f"{read.name}: rotation at read needs the queries' positions, and no span is open "
                              f"(begin_chunk / begin_tokens, then update, then attend)")
-        keys, queries, _ = self.rotation_units(read.positions, read.query_positions)
-        return RotationPlan(self, read, keys, queries)
+        inp, q_units = self._inputs(read.positions, read.query_positions)
+        q_rot = self._evaluate(inp, q_units)
+        origin = q_rot[:, :1]
+        return RotationPlan(self, read, inp, origin, q_rot - origin)
 
 
 class RotationPlan:
-    """One read's rotation: queries rotated once, keys a block at a time."""
+    """One read's rotation: queries rotated once, keys a block at a time (the map evaluated at
+    each block's positions against the read's held units)."""
 
-    def __init__(self, rope: RopeAtRead, read: Any, key_units: Tensor, query_units: Tensor) -> None:
+    def __init__(self, rope: RopeAtRead, read: Any, inputs: MapInputs, origin: Tensor, query_units: Tensor) -> None:
         self.rope, self.read = rope, read
-        self.key_units, self.query_units = key_units, query_units
+        self.inputs, self.origin, self.query_units = inputs, origin, query_units
+
+    def key_units(self, positions: Tensor) -> Tensor:
+        """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value)."""
+        return self.rope._evaluate(self.inputs, self.rope._device_rotary.units(positions)) - self.origin
 
     def _tables(self, delta: Tensor, positions: Tensor, dtype: torch.dtype, heads_axis: int | None, lead: int,
                 groups: int = 1) -> tuple[Tensor, Tensor]:
@@ -214,36 +226,22 @@ class RotationPlan:
         cos, sin = self._tables(self.query_units, qpos, acc, read.head_axis, lead, groups)
         return self.rope.rotary.rotate(qt.to(acc), cos, sin).to(qt.dtype)
 
-    def keys(self, kt: Tensor, a: int, b: int) -> Tensor:
-        """Keys of slots ``[a, b)`` in attention layout ``[..., b - a, D]``, rotated (same dtype),
-        ``rows`` slots at a time into one block-sized buffer (the float32 work stays that wide)."""
+    def keys_at(self, kt: Tensor, positions: Tensor) -> Tensor:
+        """Keys ``[..., N, D]`` (attention layout) held at ``positions [H, N]``, rotated (same
+        dtype), ``rows`` slots at a time into one block-sized buffer (the float32 work stays that wide)."""
         read = self.read
         acc = torch.promote_types(kt.dtype, torch.float32)
-        rows = self.rope.rows
-        if b - a <= rows:
-            cos, sin = self._tables(self.key_units[:, a:b], read.positions[:, a:b], acc, read.head_axis, kt.dim() - 2)
+        rows, n = self.rope.rows, positions.shape[-1]
+        delta = self.key_units(positions)
+        if n <= rows:
+            cos, sin = self._tables(delta, positions, acc, read.head_axis, kt.dim() - 2)
             return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
-        out = torch.empty_like(kt)
-        for lo in range(0, b - a, rows):
-            hi = min(lo + rows, b - a)
-            cos, sin = self._tables(self.key_units[:, a + lo:a + hi], read.positions[:, a + lo:a + hi], acc,
-                                    read.head_axis, kt.dim() - 2)
+        out = torch.empty(kt.shape, dtype=kt.dtype, device=kt.device)
+        for lo in range(0, n, rows):
+            hi = min(lo + rows, n)
+            cos, sin = self._tables(delta[:, lo:hi], positions[:, lo:hi], acc, read.head_axis, kt.dim() - 2)
             out[..., lo:hi, :] = self.rope.rotary.rotate(kt[..., lo:hi, :].to(acc), cos, sin)
         return out
-
-    def load(self, inner: Any) -> Any:
-        """A ``KVRead.load`` that rotates what ``inner`` (or the physical buffers) give."""
-        read = self.read
-        seq = read.seq_dim
-
-        def load(a: int, b: int) -> tuple[Tensor, Tensor]:
-            if inner is None:
-                k, v = read.keys.narrow(seq, a, b - a), read.values.narrow(seq, a, b - a)
-            else:
-                k, v = inner(a, b)
-            return self.keys(k.movedim(seq, -2), a, b).movedim(-2, seq), v
-
-        return load
 
     def chronological_keys(self, kt: Tensor, positions: list[int]) -> Tensor:
         """Gathered keys ``[..., L, D]`` (attention layout) at host ``positions`` (chronological
@@ -251,7 +249,6 @@ class RotationPlan:
         read = self.read
         pos = torch.tensor(positions, dtype=torch.long, device=kt.device).view(1, -1)
         pos = pos.expand(read.positions.shape[0], -1)
-        _, _, extra = self.rope.rotation_units(read.positions, read.query_positions, pos)
         acc = torch.promote_types(kt.dtype, torch.float32)
-        cos, sin = self._tables(extra, pos, acc, read.head_axis, kt.dim() - 2)
+        cos, sin = self._tables(self.key_units(pos), pos, acc, read.head_axis, kt.dim() - 2)
         return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)

@@ -18,15 +18,12 @@ refuse such reads from host knowledge before they get here).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 from torch import Tensor
 
 from .validate import check_int
 
-__all__ = ["Blockwise", "blockwise_attention", "key_blockwise_attention", "KeyBlocks", "check_block", "fold_groups",
-           "unfold_groups"]
+__all__ = ["Blockwise", "blockwise_attention", "check_block", "fold_groups", "unfold_groups"]
 
 
 def check_block(block: object) -> int:
@@ -97,131 +94,6 @@ def blockwise_attention(
             ksum = bsum if ksum is None else ksum + bsum
     out = torch.cat(outs, dim=-2).to(q.dtype) if outs else None
     return Blockwise(out, torch.cat(lses, dim=-1) if lse else None, kmax, ksum)
-
-
-#: A source of key blocks for :func:`key_blockwise_attention`: called once per pass, it yields
-#: ``(k [..., s, D], v [..., s, Dv] or None, bias broadcastable to [..., Q, s] or None)`` (an
-#: additive float bias, or a bool mask where True hides the key) for
-#: consecutive slot ranges that together cover the keys once, in the same order every call.
-KeyBlocks = Callable[[], Iterable[tuple[Tensor, Tensor | None, Tensor | None]]]
-
-
-def key_blockwise_attention(
-    q: Tensor,
-    blocks: KeyBlocks,
-    *,
-    scale: float,
-    statistics: bool = False,
-    lse: bool = False,
-    head_axis: int | None = None,
-) -> Blockwise:
-    """Softmax attention of ``q [..., Q, D]`` over keys that arrive a block of slots at a time,
-    combined by the log-sum-exp (the online softmax): nothing larger than one block's scores
-    ``[..., Q, s]`` and its keys is materialised, so a cache whose keys are not stored as dense
-    rows (codes to dequantise, raw keys to rotate) is attended without a dense copy of its
-    history. ``blocks`` (:data:`KeyBlocks`) is called once for the output and, with
-    ``statistics``, a second time for the per-key statistics (which need the final
-    normaliser); the statistics are concatenated over the blocks in their order
-    (float64 ``[H, S]`` as :func:`blockwise_attention`). Scores are computed in the wider of
-    float32 and ``q``'s dtype. A query whose keys are all hidden yields NaN, as there.
-
-    On the CPU, without statistics, each block runs in torch's fused attention kernel (which
-    returns its log-sum-exp) and the blocks are merged by their log-sum-exps: the same
-    function, at the fused kernel's speed (the per-block matmuls ran 2.9x slower than one
-    SDPA call at the self-forcing shapes). Block outputs are then rounded to ``q``'s dtype
-    before the merge (for bf16/fp16 a second rounding of the output's size; exact for fp32/fp64)."""
-    if not statistics and q.device.type == "cpu" and _FUSED_CPU is not None:
-        fused = _fused_key_blocks(q, blocks, scale=scale, lse=lse)
-        if fused is not None:
-            return fused
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qf = q.to(acc)
-    m = l = out = None
-    for k, v, bias in blocks():
-        s = _block_scores(qf, k, bias, acc, scale)
-        bm = s.amax(dim=-1, keepdim=True)
-        if m is None:
-            m_new = bm
-        else:
-            m_new = torch.maximum(m, bm)
-        # a row with every key so far hidden has m_new = -inf: keep it at 0 weight, not NaN
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = s.sub_(safe).exp_()  # in place: one score-sized buffer per block
-        if m is None:
-            l = p.sum(-1, keepdim=True)
-            out = p @ v.to(acc) if v is not None else None
-        else:
-            alpha = torch.exp(torch.where(torch.isfinite(m), m, safe) - safe)
-            l = l * alpha + p.sum(-1, keepdim=True)
-            if v is not None:
-                out = out * alpha + p @ v.to(acc)
-        m = m_new
-    if m is None:
-        raise ValueError("key_blockwise_attention needs at least one key block")
-    row = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(l)  # -inf where nothing is visible
-    res_out = (out / l).to(q.dtype) if out is not None else None
-    kmax = ksum = None
-    if statistics:
-        maxes, sums = [], []
-        for k, _, bias in blocks():
-            s = _block_scores(qf, k, bias, acc, scale)
-            ph = _to_heads(s.sub_(row).exp_().to(torch.float64), head_axis)
-            maxes.append(ph.amax(dim=1))
-            sums.append(ph.sum(dim=1))
-        kmax, ksum = torch.cat(maxes, dim=-1), torch.cat(sums, dim=-1)
-    return Blockwise(res_out, row.squeeze(-1) if lse else None, kmax, ksum)
-
-
-_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _fused_key_blocks(q: Tensor, blocks: KeyBlocks, *, scale: float, lse: bool) -> Blockwise:
-    """:func:`key_blockwise_attention` without statistics, each block in the CPU fused kernel;
-    None when the kernel does not apply (values of another feature size than the keys)."""
-    lead, n, d = q.shape[:-2], q.shape[-2], q.shape[-1]
-    q4 = q.reshape(1, -1, n, d)
-    m = s_acc = o_acc = None
-    for k, v, bias in blocks():
-        if v.shape[-1] != d:
-            return None
-        s = k.shape[-2]
-        k4 = k.to(q.dtype).reshape(1, -1, s, d)
-        v4 = v.to(q.dtype).reshape(1, -1, s, v.shape[-1])
-        mask = None
-        if bias is not None:
-            if bias.dtype == torch.bool:  # True hides (a block's position mask)
-                bias = torch.zeros(bias.shape, dtype=q.dtype, device=bias.device).masked_fill_(bias, float("-inf"))
-            mask = bias.to(q.dtype).expand(*lead, n, s).reshape(1, -1, n, s)
-        o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
-        l = l.to(torch.float64 if q.dtype == torch.float64 else torch.float32).unsqueeze(-1)
-        if mask is not None:  # the kernel reports lse 0 for a row that sees nothing in the block
-            l = torch.where((mask > float("-inf")).any(-1, keepdim=True), l, torch.full_like(l, float("-inf")))
-        o = o.to(l.dtype)
-        if m is None:
-            seen = torch.isfinite(l)
-            m, s_acc, o_acc = l, seen.to(l.dtype), torch.where(seen, o, torch.zeros_like(o))
-            continue
-        m_new = torch.maximum(m, l)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        a_old, a_new = torch.exp(m - m_safe), torch.exp(l - m_safe)  # exp(-inf) = 0: hidden rows add nothing
-        s_acc = s_acc * a_old + a_new
-        o_acc = o_acc * a_old + torch.where(a_new > 0, o, torch.zeros_like(o)) * a_new
-        m = m_new
-    if m is None:
-        raise ValueError("key_blockwise_attention needs at least one key block")
-    out = (o_acc / s_acc).to(q.dtype).reshape(*lead, n, -1)  # 0/0 = NaN where nothing is visible, as elsewhere
-    row = (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(s_acc)).squeeze(-1)
-    return Blockwise(out, row.reshape(*lead, n) if lse else None, None, None)
-
-
-def _block_scores(qf: Tensor, k: Tensor, bias: Tensor | None, acc: torch.dtype, scale: float) -> Tensor:
-    """``q @ k^T * scale`` plus the block's bias: additive (float) or a mask (bool, True hides)."""
-    s = (qf @ k.to(acc).transpose(-1, -2)).mul_(scale)
-    if bias is None:
-        return s
-    if bias.dtype == torch.bool:
-        return s.masked_fill_(bias, float("-inf"))
-    return s.add_(bias.to(acc))
 
 
 def fold_groups(q: Tensor, heads: int, head_axis: int | None) -> Tensor:

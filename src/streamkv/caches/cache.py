@@ -20,12 +20,14 @@ to the part that owns the work in a line or two.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from ..blockread import read_blocks
 from ..layout import CacheLayout
 from ..policies import SlotPolicy, Step, make_policy
 from ..rope_at_read import RopeAtRead
@@ -122,12 +124,15 @@ class KVCache:
         self.rope_at_read = rope_at_read
         self.lifecycle = Lifecycle(layout, st.device)
         pol.bind(st, layout, self.lifecycle)
+        if pol.needs_queries:
+            pol.reader = self._score_stored
         self.k_shape, self.v_shape, self.seq_dim, self.head_dim = st.k_shape, st.v_shape, st.seq_dim, st.head_dim
         self.num_layers, self.dtype, self.device = st.num_layers, st.dtype, st.device
         self.checks = InputChecks(st, layout, self.lifecycle, pol)
-        self.reads = Reads(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
-        self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks)
         self._observers = Observers(self)
+        self.reads = Reads(st, layout, self.lifecycle, pol, self.checks, rope_at_read, extra=self._observers.segments,
+                           adds=lambda: self._observers.add_segments)
+        self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
 
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: the policy's declared read-only properties
@@ -215,8 +220,7 @@ class KVCache:
 
         def apply() -> None:
             plan.apply()
-            if self.storage.codes is not None:  # the open span's full-precision rows
-                self.storage.codes.begin(start, n)
+            self.storage.begin(start, n)  # the store's own begin work (a quantised store's full-precision rows)
             self.lifecycle.begin(start, n)
 
         return Step(apply, then=(lambda: self._observers.tell(change, actions),))
@@ -315,14 +319,14 @@ class KVCache:
 
     def _prepare_commit(self) -> Step:
         start, n = self.lifecycle.start, self.lifecycle.span
+        self.storage.store.check_commit(start, n)
         plan = self.policy.commit(start, n) or Step()
         chunk_idx = start // self.layout.chunk
         change = Change(self, "commit", chunk_idx, (start, n), eviction=self._observers.eviction(chunk_idx, "commit", plan))
         actions = self._observers.prepare(change)
 
         def apply() -> None:
-            if self.storage.codes is not None:  # quantised once, from the span's last write
-                self.storage.codes.commit(start, n)
+            self.storage.commit(start, n)  # the store's own commit work (a quantised store encodes once, here)
             plan.apply()
             self.lifecycle.close()
 
@@ -429,18 +433,25 @@ class KVCache:
     def keys(self, layer: int | None = None) -> Tensor:
         """The physical key buffer of ``layer`` (a view of the storage); for quantised storage a
         dequantised copy of every slot (the values attention uses), physical order."""
-        layer = self.checks.layer(layer)
-        if self.storage.codes is not None:
-            return self.storage.codes.dense(layer, "k")
-        return self.storage.keys[layer]
+        return self._stored(layer, "k")
 
     def values(self, layer: int | None = None) -> Tensor:
         """The physical value buffer of ``layer`` (a view of the storage; a dequantised copy for
         quantised storage)."""
-        layer = self.checks.layer(layer)
-        if self.storage.codes is not None:
-            return self.storage.codes.dense(layer, "v")
-        return self.storage.values[layer]
+        return self._stored(layer, "v")
+
+    def _stored(self, layer: int | None, which: str) -> Tensor:
+        return self.storage.store.stored(self.checks.layer(layer), which)
+
+    def _score_stored(self, layer: int, q: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The policy's statistics of stored queries ``q`` over ``layer``'s read (the one block read:
+        rotated at read, every store and observer's rows alike); not causal."""
+        read = self.reads.read(layer, "mask")
+        qt = self.storage.dims.attention(q)
+        qt, plan = read.block_plan(qt, scale=1.0 / math.sqrt(qt.shape[-1]), statistic=self.policy.statistic,
+                                   block=self.policy.score_block)
+        res = read_blocks(qt, plan)
+        return res.key_max, res.key_sum
 
     def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
         """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).

@@ -72,12 +72,12 @@ class CacheSet:
         self.spec = spec
         self.branches = branches
         self.num_layers = probe.num_layers
-        if probe.storage.codes is not None:  # quantised storage: each branch allocates its own codes
+        if not probe.storage.store.takes_buffers:  # e.g. quantised codes: each branch allocates its own
             self._k = self._v = None
             self._caches: dict[str, KVCache] = {name: spec.build(kind, **kwargs) for name in branches}
         else:
-            self._k = torch.zeros((nb, *probe.storage.keys.shape), dtype=spec.dtype, device=device)
-            self._v = torch.zeros((nb, *probe.storage.values.shape), dtype=spec.dtype, device=device)
+            self._k = torch.zeros((nb, *probe.storage.full_shape("k")), dtype=spec.dtype, device=device)
+            self._v = torch.zeros((nb, *probe.storage.full_shape("v")), dtype=spec.dtype, device=device)
             self._caches = {
                 name: spec.build(kind, buffers=(self._k[i], self._v[i]), **kwargs) for i, name in enumerate(branches)
             }

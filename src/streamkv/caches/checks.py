@@ -26,7 +26,8 @@ class InputChecks:
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy) -> None:
         self.storage, self.layout, self.lifecycle, self.policy = storage, layout, lifecycle, policy
-        self.inference_buffers = storage.keys.is_inference()  # torch lets them change only in inference mode
+        # torch lets inference tensors change only in inference mode
+        self.inference_buffers = any(t.is_inference() for t in (*storage.store.tensors().values(), storage.positions))
 
     @property
     def valid_is_prefix(self) -> bool:

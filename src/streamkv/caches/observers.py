@@ -31,6 +31,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ..policies import Step
+    from ..stores import Segment
     from .cache import KVCache
 
 __all__ = ["CacheObserver", "Change", "EvictionEvent", "EvictionListener", "Observers"]
@@ -117,6 +118,14 @@ class CacheObserver:
     def on_load(self, cache: KVCache) -> None:
         """The cache loaded a state dict."""
 
+    #: the observer adds rows to the cache's reads (:meth:`segments`): a compressed tier
+    adds_segments: bool = False
+
+    def segments(self, cache: KVCache, layer: int) -> list[Segment]:
+        """Rows this observer adds to a read of ``layer`` (attended in the same softmax as the
+        cache's own); only for an observer with ``adds_segments``."""
+        return []
+
 
 class EvictionListener(CacheObserver):
     """An observer from a function called with every :class:`EvictionEvent`, once the tokens
@@ -154,6 +163,14 @@ class Observers:
                 observer.on_detach(self.cache)
                 return
         raise ValueError("this observer does not watch this cache")
+
+    def segments(self, layer: int) -> list[Segment]:
+        """The rows every observer adds to a read of ``layer``."""
+        return [seg for obs in self.members if obs.adds_segments for seg in obs.segments(self.cache, layer)]
+
+    @property
+    def add_segments(self) -> bool:
+        return any(obs.adds_segments for obs in self.members)
 
     def eviction(self, chunk_idx: int, at: Literal["begin", "commit"], plan: Step) -> EvictionEvent | None:
         """The event of a planned eviction (built only when someone watches)."""

@@ -4,6 +4,7 @@ head holds the same positions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 from ..layout import CacheLayout
 from ..policies import SlotPolicy
 from ..storage import KVStorage
+from ..stores import Segment
 from .checks import InputChecks
 from .lifecycle import Lifecycle
 from .read import KVRead, Occupancy
@@ -20,15 +22,18 @@ __all__ = ["Reads"]
 
 
 class Reads:
-    """Occupancy, reads and chronological views of one cache."""
+    """Occupancy, reads and chronological views of one cache. ``extra(layer)``: the segments
+    the cache's observers add to a read; ``adds()``: whether any does."""
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
-                 checks: InputChecks, rope_at_read=None) -> None:
+                 checks: InputChecks, rope_at_read=None, extra: Callable[[int], list[Segment]] | None = None,
+                 adds: Callable[[], bool] | None = None) -> None:
         self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
         self.rope_at_read = rope_at_read
+        self._extra, self._adds = extra, adds
         # (generation, reads of it by (layer, occupancy)): a read changes only when the lifecycle
         # does, so the per-pass cost is a dict lookup (derived state: snapshots leave it out)
-        self._memo: tuple[int, dict[tuple[int, str], KVRead]] = (-1, {})
+        self._memo: tuple[int, dict[tuple[int, str, bool], KVRead]] = (-1, {})
 
     @property
     def num_valid(self) -> int:
@@ -60,32 +65,39 @@ class Reads:
             # a traced step must not read the host counters (each value would be a guard, and
             # a recompilation per chunk): only what stays the same from chunk to chunk
             return self._make(layer, occupancy, traced=True)
+        extra = bool(self._adds and self._adds())
         generation, memo = self._memo
         if generation != self.lifecycle.generation:
             memo = {}
             self._memo = (self.lifecycle.generation, memo)
-        read = memo.get((layer, occupancy))
+        read = memo.get((layer, occupancy, extra))
         if read is None:
-            read = memo[(layer, occupancy)] = self._make(layer, occupancy)
+            read = memo[(layer, occupancy, extra)] = self._make(layer, occupancy, extra=extra)
         return read
 
-    def _make(self, layer: int, occupancy: Occupancy, traced: bool = False) -> KVRead:
+    def _segments(self, layer: int, extra: bool, positions: Tensor) -> list[Segment]:
+        own = self.storage.store.segments(layer, positions)
+        return own + self._extra(layer) if extra and self._extra is not None else own
+
+    def _make(self, layer: int, occupancy: Occupancy, traced: bool = False, extra: bool = False) -> KVRead:
         st, lc = self.storage, self.lifecycle
         if occupancy == "prefix" and traced:
             raise ValueError("occupancy 'prefix' has a data-dependent shape: compiled steps read with 'all' or 'mask'")
         visible = self.layout.num_valid(lc.end) if occupancy == "prefix" else st.slots
         refusal = self.chronological_refusal
+        if extra:
+            refusal = refusal or "an observer adds rows to the read (a compressed tier): they have no chronological slot"
         chrono = None if refusal or traced else partial(self.chronological, layer)
+        pol = self.policy
         return KVRead(
-            keys=st.keys[layer], values=st.values[layer], seq_dim=st.seq_dim, head_axis=st.head_axis,
-            positions=st.layer_positions(layer), occupancy=occupancy, visible=visible,
-            query_positions=lc.query_positions(), empty=False if traced else lc.end == 0,
+            dims=st.dims, dtype=st.dtype, device=st.device, positions=st.layer_positions(layer), occupancy=occupancy,
+            visible=visible, query_positions=lc.query_positions(), empty=False if traced else lc.end == 0,
             num_retained=None if chrono is None else self.layout.num_valid(lc.end), chronological=chrono,
             chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
-            scorer=partial(self.policy.receive, layer) if self.policy.needs_queries else None,
-            bias_fn=st.bias, name=f"{self.policy.name} cache layer {layer}",
-            load=None if st.codes is None else partial(st.codes.load, layer),
-            generation=None if traced else lc.generation, lifecycle=None if traced else lc, rope_at_read=self.rope_at_read,
+            scorer=partial(pol.receive, layer) if pol.needs_queries else None,
+            statistic=pol.statistic if pol.needs_queries else None, name=f"{pol.name} cache layer {layer}",
+            source=partial(self._segments, layer, extra), generation=None if traced else lc.generation,
+            lifecycle=None if traced else lc, rope_at_read=self.rope_at_read, extra=extra,
         )
 
     def chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:

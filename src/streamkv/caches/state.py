@@ -25,8 +25,9 @@ class StateDicts:
     """``state_dict`` / ``validate`` / ``load`` of one cache."""
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
-                 checks: InputChecks) -> None:
+                 checks: InputChecks, rope_at_read: Any = None) -> None:
         self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
+        self.rope_at_read = rope_at_read
 
     def config(self) -> dict[str, Any]:
         """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
@@ -42,13 +43,12 @@ class StateDicts:
             "num_layers": st.num_layers,
             "recall_slots": st.recall_slots,
             "dtype": str(st.dtype),
-            **({"quant": st.codes.quant.config()} if st.codes is not None else {}),
+            **st.store.config(),
         }
 
     def _tensors(self) -> dict[str, Tensor]:
         st = self.storage
-        kv = st.codes.state() if st.codes is not None else {"keys": st.keys, "values": st.values}
-        return {**kv, "slot_positions": st.positions, "write_slots": st.plan, **self.policy.state()}
+        return {**st.store.state(), "slot_positions": st.positions, "write_slots": st.plan, **self.policy.state()}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of the cache's whole state: host counters and *copies* of every tensor
@@ -125,7 +125,6 @@ class StateDicts:
                 f"once anything entered the stream)"
             )
         self.policy.check_state(state, end, span, is_open)
-        if self.storage.codes is not None:
-            self.storage.codes.check_state(state)
+        self.storage.store.check_state(state, state["slot_positions"], end, span, is_open)
         return end, span, is_open
 

@@ -101,14 +101,14 @@ class Certifier(CacheObserver):
         st = cache.storage
         if st.head_dim is None:
             raise ValueError(f"certified caches need a head dimension, got k_shape={cache.k_shape}")
-        if st.codes is not None and (len(cache.k_shape) != 4 or cache.seq_dim != 1 or cache.head_dim != 2):
+        if not st.store.exact and (len(cache.k_shape) != 4 or cache.seq_dim != 1 or cache.head_dim != 2):
             raise ValueError(f"certified quantised storage needs the [B, T, H, D] layout (rank 4, seq_dim=1, "
                              f"head_dim=2), got k_shape={cache.k_shape} seq_dim={cache.seq_dim} head_dim={cache.head_dim}")
         if recall_tau is not None:
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots == 0:
                 raise ValueError("recall_tau needs a cache with recall_slots > 0 (room to bring evicted tokens back)")
-            if st.codes is not None:
+            if not st.store.exact:
                 raise ValueError("recall_tau with quantised storage is refused: a recalled token would be quantised "
                                  "again from its stored value, and the certificate charges only the second rounding")
         elif st.recall_slots and not any(isinstance(o, Certifier) and o.recall_tau is not None for o in cache.observers):
@@ -157,7 +157,7 @@ class Certifier(CacheObserver):
         self.sketch_bits = sketch_bits
         self.causal = causal
         self.store = OffloadStore(cache.device)
-        self.quant = None if st.codes is None else QuantErrors(st, cache.num_layers)  # quant_bound
+        self.quant = None if st.store.exact else QuantErrors(st.store, cache.num_layers)  # quant_bound
         self.monitors: list[CertificateMonitor] = []
         self.last: list[Certificate | None] = [None] * cache.num_layers
         self._recalled: list[list[dict[tuple[int, int], tuple[list[int], int]]]] = []
@@ -203,6 +203,7 @@ class Certifier(CacheObserver):
             return self._reset
         if self.broken is not None:
             raise RuntimeError(f"this cache's certifier cannot be trusted ({self.broken}): reset the cache")
+        check_reopen(self, change)
         if change.eviction is not None:
             captured = self._capture(change.eviction)
             return lambda: self._record(captured)
@@ -447,7 +448,7 @@ class Certifier(CacheObserver):
         """Bytes: kept K/V (main slots, recall slots), summaries, offloaded K/V; and the
         summary/summarised ratio. Synchronises."""
         st = self.storage
-        elt = st.keys.element_size()
+        elt = st.dtype.itemsize
         per_slot = st.nbytes / st.slots
         summ = sum(s.nbytes for s in self.summaries)
         summarised_rows = sum(int(s.summarised_tokens()) for s in self.summaries)  # (token, head) pairs
@@ -485,6 +486,11 @@ def claim_unevicted(observer: Any, cache: KVCache, why: str, *, recalls: bool) -
     compressed tier): the cache has evicted nothing yet, and at most one observer recalls into
     its recall slots (``recalls``: this one claims them). Raises ``ValueError`` naming the value."""
     st = cache.storage
+    if cache.rope_at_read is not None:
+        raise ValueError(
+            f"{type(observer).__name__} bounds attention over keys as the cache stores them, and this cache stores raw "
+            f"keys rotated at every read by a position map (rope_at_read): the keys it attends are not the keys it "
+            f"holds, evicts or recalls; certify a cache that stores keys rotated at write")
     held = (st.slot_positions[..., : st.capacity] >= 0).sum(-1)  # [L, H]: one sync, at attach
     if cache.end and int(held.min()) < cache.end:
         raise ValueError(
@@ -495,6 +501,24 @@ def claim_unevicted(observer: Any, cache: KVCache, why: str, *, recalls: bool) -
         if st.recall_owner is not None:
             raise ValueError("another observer recalls into this cache's recall slots: one recall owner per cache")
         st.recall_owner = observer
+
+
+def check_reopen(observer: Any, change: Change) -> None:
+    """Veto reopening a span some of whose positions the last commit evicted (a policy without
+    ``protect_newest``): ``observer`` holds them as evicted (recalled, or in a compressed tier),
+    and the reopened span would hold them again -- one position attended twice."""
+    cache = change.cache
+    if change.what != "begin" or change.advance or getattr(cache.policy, "protect_newest", True):
+        return
+    start, n = change.span
+    pos = cache.storage.slot_positions[..., : cache.storage.capacity]
+    held = ((pos >= start) & (pos < start + n)).sum(-1)  # [L, H]: one sync, at a reopen
+    if int(held.min()) < n:
+        raise ValueError(
+            f"reopening positions [{start}, {start + n}) after the commit that evicted some of them: "
+            f"{type(observer).__name__} holds those as evicted, and the reopened span would hold them again (one "
+            f"position attended twice); a certified or tiered cache cannot reopen such a span (build it with "
+            f"protect_newest=True, or do not reopen)")
 
 
 def release(observer: Any, cache: KVCache) -> None:

@@ -102,13 +102,17 @@ def kept_quant_error(q: Tensor, k_hat: Tensor, v_hat: Tensor, bias: Tensor | Non
     lse = torch.logsumexp(s, -1)
     lam_hi = torch.logsumexp(s + delta, -1) - lse
     lam_lo = torch.logsumexp(s - delta, -1) - lse
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # [B, H, Q, S]
+    # in log space: p_j e^{delta_j - lam_lo} would be 0 * inf when p underflows and the slack
+    # overflows (extreme logits); a row that sees no slot (lse = -inf) contributes nothing
+    seen = torch.isfinite(lse).unsqueeze(-1)
+    rel = torch.where(seen, s - lse.unsqueeze(-1), -math.inf)  # log p, [B, H, Q, S]
+    p = torch.exp(rel)
     v64 = v_hat.double()
     out = p @ v64
-    up = torch.exp(delta - lam_lo.unsqueeze(-1))
-    g = torch.maximum(up - 1.0, 1.0 - torch.exp(-delta - lam_hi.unsqueeze(-1))).clamp(min=0.0)
-    pg = (p * g).nan_to_num(0.0)
-    err = (p * up).nan_to_num(0.0) @ eps.double()
+    p_up = torch.exp(rel + delta - lam_lo.unsqueeze(-1))
+    p_dn = torch.exp(rel - delta - lam_hi.unsqueeze(-1))
+    pg = torch.maximum(p_up - p, p - p_dn).clamp(min=0.0)  # p_j g_j
+    err = p_up @ eps.double()
     # sum_j p_j g_j |v_j,c - o_c|, a block of slots at a time (memory O(Q x block x Dv))
     for a in range(0, v64.shape[-2], block):
         dev = (v64[..., a : a + block, :].unsqueeze(-3) - out.unsqueeze(-2)).abs()  # [B, H, Q, b, Dv]
@@ -153,8 +157,8 @@ class QuantErrors:
     channel) of any token evicted so far, and the largest ``||k^||_2`` of them. Monotone; cleared
     on reset."""
 
-    def __init__(self, storage, num_layers: int) -> None:
-        self.st = storage
+    def __init__(self, store, num_layers: int) -> None:
+        self.store = store
         self.L = num_layers
         self.reset()
 
@@ -170,9 +174,9 @@ class QuantErrors:
 
     def measure(self, layer: int, rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The error bounds of the leaving rows (read while the cache holds them; changes nothing)."""
-        codes = self.st.codes
-        dk = codes.error_bounds_at(layer, "k", rows).double().transpose(1, 2)  # [B, H, n, D]
-        dv = codes.error_bounds_at(layer, "v", rows).double().transpose(1, 2)
+        codes = self.store
+        dk = codes.error_bounds(layer, "k", rows).double().transpose(1, 2)  # [B, H, n, D]
+        dv = codes.error_bounds(layer, "v", rows).double().transpose(1, 2)
         v_hat = codes.gather(layer, "v", rows).transpose(1, 2)
         k_hat = codes.gather(layer, "k", rows).transpose(1, 2)
         ev = value_slack(dv, v_hat, codes.basis("v"))
@@ -192,10 +196,10 @@ class QuantErrors:
               scale: float, n_tokens: int, vlo: Tensor, vhi: Tensor, log_count: Tensor) -> Certificate:
         """The certificate of a quantised cache's step (see the module docstring): ``qh [B, H, Q, D]``,
         ``k``/``v`` the stored slots ``[B, H, S, D]``."""
-        codes = self.st.codes
+        codes = self.store
         S = k.shape[-2]
-        dk = codes.error_bounds(layer, "k", 0, S).transpose(1, 2)
-        dv = codes.error_bounds(layer, "v", 0, S).transpose(1, 2)
+        dk = codes.error_bounds(layer, "k").transpose(1, 2)
+        dv = codes.error_bounds(layer, "v").transpose(1, 2)
         rk = codes.basis("k")
         delta = logit_slack(qh, dk, k, rk, scale=scale)
         eps = value_slack(dv, v, codes.basis("v"))

@@ -190,7 +190,7 @@ class HistoryCheck(CacheObserver):
         o_k = torch.softmax(sk, -1) @ V
         o_d = torch.softmax(sd, -1).nan_to_num(0.0) @ V
         err = log_m.exp().unsqueeze(-1) * (o_d - o_k).abs()  # [B, H, Q, Dv]
-        if cache.storage.codes is not None:  # quantised storage: the truth is against what the cache attends to
+        if not cache.storage.store.exact:  # rounded storage: the truth is against what the cache attends to
             err = (log_m.exp().unsqueeze(-1) * (o_d - o_k) + (o_k - self._stored(certifier, layer, qh, pos))).abs()
         n_d = N - kept.sum(-1)  # [H] evicted per head
         nontrivial = (n_d > 0).view(1, H, 1).expand(B, H, Q)

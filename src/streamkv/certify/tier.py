@@ -56,15 +56,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention import attend as attend_read
 from ..budget.mass import check_tau
 from ..caches import CacheObserver, Change, KVCache
 from ..quant import KVQuant
 from ..scoring import fold_groups
 from ..storage import position_bias
+from ..stores import Segment
 from ..validate import check_int, check_real
 from .bound import Certificate, certify
-from .certifier import claim_unevicted, release
+from .certifier import check_reopen, claim_unevicted, release
 from .quant_bound import kept_quant_error, logit_slack, value_slack, widen
 
 __all__ = ["CompressedTier"]
@@ -96,7 +96,7 @@ class CompressedTier(CacheObserver):
         if len(cache.k_shape) != 4 or cache.seq_dim != 1 or cache.head_dim != 2:
             raise ValueError(f"the compressed tier needs the [B, T, H, D] layout (rank 4, seq_dim=1, head_dim=2), got "
                              f"k_shape={cache.k_shape} seq_dim={cache.seq_dim} head_dim={cache.head_dim}")
-        if st.codes is not None:
+        if not st.store.exact:
             raise ValueError("the compressed tier's tier 1 is full precision: build the cache without quant= (tier 2 "
                              "holds the quantised history)")
         block = check_int("block", block, 1)
@@ -132,6 +132,7 @@ class CompressedTier(CacheObserver):
         self.v_scale = (torch.zeros((L, B, H, M, Dv // self.gv), dtype=torch.bfloat16, device=dev)
                         if self.vf.scaled else None)
         self.live = torch.zeros((L, H, M), dtype=torch.bool, device=dev)
+        self.entry_pos = torch.full((L, H, M), -1, dtype=torch.long, device=dev)  # the position each entry holds
         self._slot = torch.arange(M, device=dev)
         self.attached = False
         self.broken: str | None = None
@@ -146,6 +147,7 @@ class CompressedTier(CacheObserver):
             if s is not None:
                 s.zero_()
         self.live.zero_()
+        self.entry_pos.fill_(-1)
         self.lo = [torch.zeros((B, H, 0, D), dtype=self.cache.dtype, device=dev) for _ in range(L)]
         self.hi = [torch.zeros((B, H, 0, D), dtype=self.cache.dtype, device=dev) for _ in range(L)]
         self.log_count = [torch.zeros((1, H, 0), dtype=torch.float64, device=dev) for _ in range(L)]
@@ -199,6 +201,7 @@ class CompressedTier(CacheObserver):
             return self._reset
         if self.broken is not None:
             raise RuntimeError(f"this cache's compressed tier cannot be trusted ({self.broken}): reset the cache")
+        check_reopen(self, change)
         if change.eviction is not None:
             captured = self._capture(change.eviction)
             return lambda: self._record(captured)
@@ -281,6 +284,7 @@ class CompressedTier(CacheObserver):
         if vs is not None:
             self.v_scale[layer, :, h, sl] = vs[:, keep]
         self.live[layer, h, sl] = True
+        self.entry_pos[layer, h, sl] = pos[keep].to(self.entry_pos.device)
         old = self.frontier[layer][h]
         new = max(old, -(-(end - M) // blk)) if end > M else old  # blocks whose entries were overwritten
         self.frontier[layer][h] = new
@@ -370,31 +374,19 @@ class CompressedTier(CacheObserver):
                              f"{tuple(q.shape)}")
         return fold_groups(self.storage.to_heads(q), self.H, 0).transpose(0, 1)
 
-    def attend(self, layer: int, q: Tensor, read) -> Tensor:
-        """Attention of ``q [B, T, Hq, D]`` over tier 1 (``read``: its read of ``layer``, recall
-        slots included) and tier 2 together (one softmax; tier 3 is not attended). Returns
-        ``[B, T, Hq, Dv]`` in the queries' floating dtype (at least float32)."""
-        check_int("layer", layer, 0)
-        if layer >= self.L:
-            raise ValueError(f"layer must be < {self.L}, got {layer}")
+    adds_segments = True
+
+    def segments(self, cache: KVCache, layer: int) -> list[Segment]:
+        """Tier 2 of ``layer`` as rows of the cache's reads: the codes of the live entries (the others
+        hidden), at their positions, attended in the same softmax as tier 1 (tier 3 is not attended)."""
         if self.broken is not None:
             raise RuntimeError(f"this compressed tier cannot attend: {self.broken}")
-        out1, info = attend_read(q, read, causal=self.causal, scale=self.scale, return_lse=True)
-        B, T, Hq, _ = q.shape
-        G = Hq // self.H
-        acc = torch.promote_types(q.dtype, torch.float32)
-        o1 = out1.to(acc).permute(0, 2, 1, 3).reshape(B, self.H, G * T, self.Dv)
-        l1 = info.lse.to(acc).reshape(B, self.H, G * T)
-        k2, v2, _, _ = self.decoded(layer)
-        s = (self.query_rows(q).to(acc) @ k2.to(acc).transpose(-1, -2)) * self.scale
-        s = s.masked_fill(~self.live[layer].view(1, self.H, 1, self.M), -math.inf)
-        l2 = torch.logsumexp(s, -1)
-        o2 = torch.exp(s - l2.unsqueeze(-1)).nan_to_num(0.0) @ v2.to(acc)
-        lse = torch.logaddexp(l1, l2)
-        w1 = torch.exp(l1 - lse).nan_to_num(0.0).unsqueeze(-1)
-        w2 = torch.exp(l2 - lse).nan_to_num(0.0).unsqueeze(-1)
-        o = o1 * w1 + o2 * w2
-        return o.reshape(B, self.H * G, T, self.Dv).permute(0, 2, 1, 3)
+        return [Segment(
+            n=self.M, positions=torch.where(self.live[layer], self.entry_pos[layer], -1), keys=self.k_codes[layer],
+            values=self.v_codes[layer], features=(self.D, self.Dv), dtype=torch.promote_types(cache.dtype, torch.float32),
+            k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
+            k_scale=None if self.k_scale is None else self.k_scale[layer],
+            v_scale=None if self.v_scale is None else self.v_scale[layer], slots=None)]
 
     # ------------------------------------------------------------- certificate
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
@@ -434,8 +426,9 @@ class CompressedTier(CacheObserver):
             ~self.live[layer].unsqueeze(1), -math.inf)
         Qb = max(b1.shape[1], 1)
         bias = torch.cat([b1.expand(H, Qb, -1), b2.expand(H, Qb, -1)], -1)
-        k = torch.cat([k1.to(k2.dtype), k2], -2)
-        v = torch.cat([v1.to(v2.dtype), v2], -2)
+        dt = torch.promote_types(k1.dtype, k2.dtype)  # a float64 tier 1 stays float64
+        k = torch.cat([k1.to(dt), k2.to(dt)], -2)
+        v = torch.cat([v1.to(dt), v2.to(dt)], -2)
         dk = torch.cat([torch.zeros_like(k1, dtype=dk2.dtype), dk2], -2)
         dv = torch.cat([torch.zeros_like(v1, dtype=dv2.dtype), dv2], -2)
         lo, hi, lc = self.lo[layer], self.hi[layer], self.log_count[layer]

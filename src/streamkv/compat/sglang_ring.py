@@ -60,7 +60,7 @@ def relayout(old: RingCache | None, old_map: VirtualMap, new_map: VirtualMap, ke
 def ring_slices(ring: RingCache, rows: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
     """K/V ``[B, T, h, D]`` of the ring's slot ``rows``: one zero-copy slice when they are one
     range (or none), else a concatenation (a copy) in the order given."""
-    if ring.storage.codes is not None:  # quantised: a dequantised copy of those rows, in the cache dtype
+    if ring.storage.store.buffers() is None:  # a store of codes: a dequantised copy of those rows, in the cache dtype
         idx = torch.tensor([s for a, b in rows for s in range(a, b)], dtype=torch.long, device=ring.device)
         st = ring.storage
         return st.gather(0, "k", idx).to(ring.dtype), st.gather(0, "v", idx).to(ring.dtype)

@@ -270,10 +270,7 @@ class StreamKVCache(Cache):
         if self.token_major:
             key_states, value_states = key_states.transpose(1, 2), value_states.transpose(1, 2)
         read = self.kv.update(key_states, value_states, layer=layer_idx, occupancy="mask")
-        if self.token_major:
-            keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
-        else:
-            keys, values = read.keys, read.values
+        keys, values = self.layers[layer_idx].keys, self.layers[layer_idx].values
         attn_kwargs[KWARG] = Handoff(self, layer_idx, read, keys, values)
         self._prepared = False
         self._written += 1
@@ -323,19 +320,18 @@ class StreamKVCache(Cache):
         return q
 
     def attend(self, layer: int, q: Tensor, read: KVRead, scaling: float | None) -> Tensor:
-        """Causal attention of ``q`` (from :meth:`queries`) over the layer: ``read``, and with a
-        compressed tier its tier 2 in the same softmax. Output in ``q``'s layout.
+        """Causal attention of ``q`` (from :meth:`queries`) over the layer's ``read`` (with a compressed
+        tier, its tier 2 is part of the read: one softmax). Output in ``q``'s layout.
 
         Raises:
             ValueError: the tier attends at another softmax scale than ``scaling``.
         """
-        if self.tier is None:
-            return attend_read(q, read, causal=True, scale=scaling)[0]
-        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        if abs(scale - self.tier.scale) > 1e-12 * scale:
-            raise ValueError(f"the compressed tier attends at softmax scale {self.tier.scale!r}, the model at {scale!r}: "
-                             f"build the cache with tier={{'scale': {scale!r}, ...}}")
-        return self.tier.attend(layer, q, read)
+        if self.tier is not None:
+            scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+            if abs(scale - self.tier.scale) > 1e-12 * scale:
+                raise ValueError(f"the compressed tier certifies softmax scale {self.tier.scale!r}, the model attends at "
+                                 f"{scale!r}: build the cache with tier={{'scale': {scale!r}, ...}}")
+        return attend_read(q, read, causal=True, scale=scaling)[0]
 
     def attended(self, layer: int, query: Tensor, read: KVRead, out: Tensor) -> None:
         """Called by the attention function once layer ``layer`` attended (``out``:

@@ -140,7 +140,7 @@ def check_states(kv: KVCache, key_states: Any, value_states: Any, layer: int) ->
     if key_states.shape[-2] != value_states.shape[-2]:
         raise ValueError(f"layer {layer} key_states and value_states must hold the same n tokens, got "
                          f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
-    if (not torch.compiler.is_compiling() and kv.storage.keys.is_inference()
+    if (not torch.compiler.is_compiling() and kv.checks.inference_buffers
             and not torch.is_inference_mode_enabled()):
         raise RuntimeError(
             f"layer {layer}: this cache was built under torch.inference_mode(), so torch lets its buffers change "

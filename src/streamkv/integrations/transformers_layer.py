@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
@@ -18,6 +19,18 @@ __all__ = ["StreamKVLayer", "refusal"]
 def refusal(what: str, why: str) -> str:
     """The message of a StreamKVCache refusal."""
     return f"StreamKVCache does not support {what}: {why}"
+
+
+def layer_buffers(kv, index: int) -> tuple[Tensor, Tensor]:
+    """What a transformers cache layer exposes as its ``keys`` / ``values`` (layer layout): the
+    store's dense buffers, or for a store without them (quantised codes) zero-stride placeholders
+    that carry shape, dtype and device. The streamkv attention function never reads them: it
+    attends the read handed to it."""
+    bufs = kv.storage.store.buffers()
+    if bufs is None:
+        bufs = tuple(torch.zeros((), dtype=kv.dtype, device=kv.device).expand(kv.storage.full_shape(w))
+                     for w in ("k", "v"))
+    return bufs[0][index], bufs[1][index]
 
 
 class StreamKVLayer(CacheLayerMixin):
@@ -36,8 +49,7 @@ class StreamKVLayer(CacheLayerMixin):
         super().__init__()
         kv = owner.kv
         self.owner, self.index = owner, index
-        # the storage's buffers (quantised storage: zero-stride placeholders; the read loads blocks)
-        self.keys, self.values = kv.storage.keys[index], kv.storage.values[index]
+        self.keys, self.values = layer_buffers(kv, index)
         if owner.token_major:  # [B, slots, H, D] -> transformers' [B, H, slots, D]
             self.keys, self.values = self.keys.transpose(1, 2), self.values.transpose(1, 2)
         self.device = kv.device

@@ -57,6 +57,7 @@ from ..caches import CACHE_KINDS, KVCache, KVRead
 from ..rope_at_read import RopeAtRead
 from ..rotary import Rope1D
 from .transformers_cache import check_attention_kwargs
+from .transformers_layer import layer_buffers
 
 __all__ = ["ATTN_IMPLEMENTATION", "WindowedStreamKVCache", "build_windowed_cache", "layer_groups",
            "stream_generate", "windowed_attention", "windowed_mask"]
@@ -211,7 +212,7 @@ class WindowedStreamKVCache(Cache):
         window = self.sliding_window if group == "sliding_attention" else None
         attn_kwargs[KWARG] = _Handoff(self, layer_idx, read, window)
         self._written += 1
-        return read.keys, read.values
+        return layer_buffers(kv, local)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._any.end

@@ -16,17 +16,18 @@ from .keydiff import KeyDiff
 from .knorm import KNorm
 from .mass import MassBudget
 from .scored import FixedBudget, ScoredPolicy, Scores
+from .snapkv import SnapKV
 from .tova import TOVA
 from .window import Chronological, Ring
 
 __all__ = [
     "SlotPolicy", "Step", "ScoredPolicy", "FixedBudget", "Scores", "Ring", "Chronological", "MassBudget", "H2O",
-    "TOVA", "KNorm", "KeyDiff", "POLICIES", "make_policy", "example_policy",
+    "TOVA", "KNorm", "KeyDiff", "SnapKV", "POLICIES", "make_policy", "example_policy",
 ]
 
 #: Policy classes by the name configs, the CLI and state dicts use: the one list of kinds.
 POLICIES: dict[str, type[SlotPolicy]] = {
-    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff)
+    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff, SnapKV)
 }
 
 

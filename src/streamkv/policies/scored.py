@@ -27,14 +27,15 @@ bounds the mass any one query of the scoring span put on the evicted tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from ..blockread import Statistic
 from ..layout import CacheLayout
-from ..scoring import blockwise_attention, fold_groups
 from ..storage import KVStorage, check_int
 from .base import SlotPolicy, Step
 
@@ -63,6 +64,15 @@ class Scores:
     key_max: Tensor | None
     key_sum: Tensor | None
     storage: KVStorage
+    stored_queries: Tensor | None = None
+
+    def queries(self) -> Tensor:
+        """The span's queries per layer as given to ``update(k, v, q)`` (``[L, *q rows]``, the
+        layer layout); refused when a layer's queries were not stored (they came to ``attend``)."""
+        if self.stored_queries is None:
+            raise ValueError("the span's queries were not stored: pass them to update(k, v, q) for a policy that "
+                             "reads them")
+        return self.stored_queries
 
     def keys(self) -> Tensor:
         """The held keys per head, ``[L, H, R, cap, D]`` (``R``: the other leading dims, e.g.
@@ -87,6 +97,13 @@ class ScoredPolicy(SlotPolicy):
     per_head = True
     retains_window = False
     needs_queries = True
+    #: the per-key statistics the read computes for this policy (rows, reductions); ``max`` is
+    #: also what ``dropped_mass_bound`` reports
+    statistic: ClassVar[Statistic] = Statistic()
+    #: set by the cache: ``reader(layer, q) -> (max, sum)`` scores stored queries ``q`` (layer
+    #: layout) over the layer's read, through the cache's one read (used when attention ran in
+    #: another kernel)
+    reader: Callable[[int, Tensor], tuple[Tensor | None, Tensor | None]] | None = None
 
     def __init__(self, *, protect_newest: bool = True, score_block: int | None = None) -> None:
         if not isinstance(protect_newest, bool):
@@ -155,25 +172,21 @@ class ScoredPolicy(SlotPolicy):
         self._queries[layer].copy_(q)
         self._has_queries[layer].fill_(1)
 
-    def receive(self, layer: int, key_max: Tensor, key_sum: Tensor) -> None:
-        """Statistics ``[H, S]`` of the attention that just read ``layer`` (from ``attend``)."""
+    def receive(self, layer: int, key_max: Tensor | None, key_sum: Tensor | None) -> None:
+        """Statistics ``[H, S]`` of the attention that just read ``layer`` (from ``attend``; None:
+        not declared by :attr:`statistic`)."""
         cap = self.storage.capacity
-        self._key_max[layer].copy_(key_max[:, :cap])
-        self._key_sum[layer].copy_(key_sum[:, :cap])
+        for mine, got in ((self._key_max, key_max), (self._key_sum, key_sum)):
+            if got is not None:
+                mine[layer].copy_(got[:, :cap])
         self._fresh[layer].fill_(1)
 
     def _score_stored(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Statistics of the stored queries against ``layer``'s slots now (a second pass)."""
-        st = self.storage
-        q = self._queries[layer].movedim(st.seq_dim, -2)
-        # quantised storage: its stored (dequantised) keys; this fallback pass is O(slots)
-        k = (st.keys[layer] if st.codes is None else st.codes.dense(layer, "k")).movedim(st.seq_dim, -2)
-        res = blockwise_attention(
-            fold_groups(q, st.heads, st.head_axis), k, None, st.bias(st.layer_positions(layer), q.dtype),
-            scale=1.0 / math.sqrt(q.shape[-1]), block=self.score_block, statistics=True, head_axis=st.head_axis,
-        )
-        cap = st.capacity
-        return res.key_max[:, :cap], res.key_sum[:, :cap]
+        """Statistics of the stored queries against ``layer``'s slots now (a second read)."""
+        kmax, ksum = self.reader(layer, self._queries[layer])
+        cap = self.storage.capacity
+        return (self._key_max[layer] if kmax is None else kmax[:, :cap],
+                self._key_sum[layer] if ksum is None else ksum[:, :cap])
 
     # -------------------------------------------------------------------- begin
     def begin(self, start: int, n: int, advance: bool) -> Step:
@@ -203,6 +216,7 @@ class ScoredPolicy(SlotPolicy):
         st, L = self.storage, self.storage.num_layers
         what = f"positions [{start}, {start + n})"
         key_max = key_sum = None
+        has_q = []
         if self.needs_queries:
             fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
             missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
@@ -220,7 +234,8 @@ class ScoredPolicy(SlotPolicy):
                     key_max[layer], key_sum[layer] = self._score_stored(layer)
         pos = st.positions[..., : st.capacity]
         valid = pos >= 0
-        prio = self.priority(Scores(pos, valid, start, n, key_max, key_sum, st))
+        stored = self._queries if self.needs_queries and all(has_q) else None
+        prio = self.priority(Scores(pos, valid, start, n, key_max, key_sum, st, stored))
         finite = torch.isfinite(torch.where(valid, prio, 0.0)).all(dim=(-1, -2))
         if not bool(finite.all()):
             bad = (~finite).nonzero().flatten().tolist()

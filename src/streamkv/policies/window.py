@@ -118,7 +118,7 @@ class Ring(_Window):
         # the plan is staged in place (a view of the storage's shared plan): begin's apply writes
         # it and nothing else reads it before then
         self._stage = storage.plan.view(-1)
-        storage.enable_eager_ranges()  # set by each begin (and a load): the open span's host ranges
+        storage.eager_ranges = None  # set by each begin (and a load): the open span's host ranges
 
     def _span_ranges(self, start: int, n: int) -> tuple[tuple[int, int], ...]:
         """The slots of the span ``[start, start + n)`` as ``(first slot, rows)`` ranges in row

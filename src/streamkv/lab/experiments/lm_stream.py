@@ -70,8 +70,8 @@ class AttentionErrors:
         heads, slots = in_span.nonzero(as_tuple=True)
         slot_of = torch.empty(H, n, dtype=torch.long)
         slot_of[heads, pos[heads, slots] - start] = slots
-        index = slot_of.unsqueeze(-1).expand(H, n, read.keys.shape[-1])
-        keys, values = (read.keys, read.values) if read.load is None else read.load(0, S)  # quantised: as stored
+        keys, values = read.stored()  # as stored (quantised: decoded)
+        index = slot_of.unsqueeze(-1).expand(H, n, keys.shape[-1])
         if read.seq_dim != 2:  # token-major [B, S, H, D]
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         self.k[layer, :, start:end] = keys[0].gather(1, index).float()

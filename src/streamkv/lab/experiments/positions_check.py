@@ -365,7 +365,7 @@ def large_positions(shift: int = 1 << 40, seed: int = 0) -> dict:
     for label, rotate in (("absolute_vs_exact_angles", exact), ("float64_rope_at_write_vs_exact", None)):
         worst = 0.0
         for h in range(2):
-            k, v = read.keys[0, :, h], read.values[0, :, h]
+            k, v = read.stored()[0][0, :, h], read.stored()[1][0, :, h]
             want = ((exact(q[0, :, h], qpos) @ exact(k, pos).T) / math.sqrt(8)).softmax(-1) @ v
             if rotate is None:  # keys and queries rotated at write with naive float64 angles
                 mine = ((naive(q[0, :, h], qpos) @ naive(k, pos).T) / math.sqrt(8)).softmax(-1) @ v

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from streamkv import KVCache
+from streamkv.attention import attend
 from streamkv.budget.oracles import PerChunkMass
 from streamkv.certify.tier import CompressedTier
 from streamkv.lab.kinds import kind_params
@@ -130,7 +131,7 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
         cache.begin_tokens(C)
         for layer in range(stream.layers):
             q, k, v = stream.q[layer][:, sl], stream.k[layer][:, sl], stream.v[layer][:, sl]
-            out = tier.attend(layer, q, cache.layer(layer).update(k, v, q))
+            out = attend(q, cache.layer(layer).update(k, v, q), causal=tier.causal, scale=tier.scale)[0]
             t1 = time.perf_counter()
             outs[layer][:, sl] = out.double()
             cert = tier.last[layer]

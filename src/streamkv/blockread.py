@@ -1,0 +1,270 @@
+"""The one block loop: attention of a span's queries over a read's segments, a block of rows at a
+time, combined by the log-sum-exp (the online softmax), with the per-slot statistics a policy
+declared computed in the same read.
+
+Every read that is not one plain dense buffer comes here (on the CPU; the Triton kernel of
+:mod:`streamkv.kernels` serves the same plan on CUDA): quantised codes decoded a block at a
+time, raw keys rotated a block at a time by the cache's position map, pages walked through their
+table, a compressed tier's rows beside the cache's, per-head holes, causal and window masks from
+positions, grouped-query attention. Nothing of size ``O(history)`` is materialised besides the
+positions; transient memory is one block's keys, values and scores.
+
+Storage bases: a segment whose keys are stored as ``k @ R.T`` is read with queries ``q @ R.T``
+(computed once per basis), and one whose values are stored as ``v @ R.T`` accumulates its part
+of the output in that basis, rotated back once at the end: ``R`` is never applied to a key block.
+
+Statistics (``statistic``, :class:`Statistic`): per cache slot and head,
+``max_i p_ij`` and/or ``sum_i p_ij`` over the selected query rows (the newest ``rows`` of the
+span, or all), the batch and the grouped query heads, where ``p`` is the softmax over every row
+the read attends; float64 ``[H, S]``. They need the final normaliser, so they are a second pass
+over the blocks of the segments that hold cache slots.
+
+On the CPU without statistics each block runs in torch's fused attention kernel (which returns
+its log-sum-exp), in the dtype of the queries (a decoded block is rounded to it: for bf16 and
+fp16 a second rounding of the keys' size; exact for float32/float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .scoring import Blockwise, fold_groups, unfold_groups
+from .storage import position_mask
+from .stores import Dims, Segment
+
+__all__ = ["BlockPlan", "Statistic", "read_blocks"]
+
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """What a scored policy asks the read to compute per key, in the same pass as attention.
+
+    ``rows``: the query rows that count (None: every row of the span; ``r``: the newest ``r``
+    rows of the span, e.g. SnapKV's observation window); ``reduce``: over those rows, the
+    batch and grouped query heads, ``"max"`` (``max_i p_ij``) and/or ``"sum"`` (``sum_i p_ij``)."""
+
+    rows: int | None = None
+    reduce: tuple[str, ...] = ("max", "sum")
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
+            raise ValueError(f"Statistic rows must be None (all) or an int >= 1, got {self.rows!r}")
+        if not self.reduce or any(r not in ("max", "sum") for r in self.reduce):
+            raise ValueError(f"Statistic reduce must name 'max' and/or 'sum', got {self.reduce!r}")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What a block read needs besides the queries: the segments, the masks' inputs, the rotation
+    (a :class:`~streamkv.rope_at_read.RotationPlan` or None), the statistic and the block size."""
+
+    segments: list[Segment]
+    dims: Dims
+    scale: float
+    query_positions: Tensor | None = None
+    causal: bool = False
+    window: int | None = None
+    rotation: Any = None
+    statistic: Statistic | None = None
+    slots: int = 0
+    block: int = 4096
+    lse: bool = False
+
+
+def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None) -> Tensor:
+    """Bool mask (True hides) of one block's ``positions [H, s]``, laid out against scores
+    ``[..., G*Q, s]`` (``[..., 1, s]`` without causality); ``rows``: the query rows scored."""
+    if plan.causal:
+        qp = plan.query_positions if rows is None else plan.query_positions[rows]
+        hidden = position_mask(pos, qp, plan.window)
+    else:
+        hidden = position_mask(pos)
+    if groups > 1 and hidden.shape[-2] != 1:
+        hidden = hidden.repeat(1, groups, 1)
+    return plan.dims.lay_out_heads(hidden)
+
+
+def _blocks(plan: BlockPlan):
+    """``(segment, a, b)`` for every block of every segment, in order."""
+    for seg in plan.segments:
+        for a in range(0, seg.n, plan.block):
+            yield seg, a, min(a + plan.block, seg.n)
+
+
+def _keys(plan: BlockPlan, seg: Segment, a: int, b: int) -> tuple[Tensor, Tensor]:
+    k, v = seg.load(a, b)
+    if plan.rotation is not None:
+        k = plan.rotation.keys_at(k, seg.positions[:, a:b])
+    return k, v
+
+
+class _Queries:
+    """The queries in each storage basis of the keys (computed once per basis)."""
+
+    def __init__(self, q: Tensor) -> None:
+        self.q, self.by_basis = q, {}
+
+    def __call__(self, basis: Tensor | None) -> Tensor:
+        if basis is None:
+            return self.q
+        key = id(basis)
+        if key not in self.by_basis:
+            acc = torch.promote_types(self.q.dtype, torch.float32)
+            self.by_basis[key] = (self.q.to(acc) @ basis.T.to(acc)).to(self.q.dtype)
+        return self.by_basis[key]
+
+
+def read_blocks(qt: Tensor, plan: BlockPlan) -> Blockwise:
+    """Attention of ``qt`` (attention layout ``[..., Q, D]``, rotated already when the keys are
+    rotated at read; more heads than the keys for grouped-query attention) over ``plan``'s
+    segments. Returns the output (``qt``'s layout and dtype, value features), the per-query
+    log-sum-exp when ``plan.lse`` and the declared statistics."""
+    heads = plan.dims.heads
+    ha = plan.dims.head_axis
+    groups = 1 if ha is None or qt.shape[ha] == heads else qt.shape[ha] // heads
+    qf = fold_groups(qt, heads, ha)
+    out, lse, own = _attend(qf, plan, groups)
+    kmax = ksum = None
+    if plan.statistic is not None:
+        kmax, ksum = _statistics(qt, plan, own, groups)
+    out = unfold_groups(out, groups, ha)
+    if plan.lse:
+        lse = unfold_groups(lse.unsqueeze(-1), groups, ha).squeeze(-1)
+    return Blockwise(out, lse if plan.lse else None, kmax, ksum)
+
+
+def _lse_merge(m: Tensor | None, s: Tensor | None, l: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One block's log-sum-exp ``l`` into the running ``(max, sum)``: returns the new pair, the
+    block's weight and the old sum's factor (``exp(-inf) = 0``: hidden rows weigh nothing)."""
+    m_new = l if m is None else torch.maximum(m, l)
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    w_new = torch.exp(l - safe)
+    if m is None:
+        return m_new, w_new, w_new, None
+    w_old = torch.exp(m - safe)
+    return m_new, s * w_old + w_new, w_new, w_old
+
+
+def _lse(m: Tensor, s: Tensor) -> Tensor:
+    return (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(s)).squeeze(-1)
+
+
+def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Output ``[..., G*Q, Dv]`` and log-sum-exp ``[..., G*Q]`` of the folded queries, and (with a
+    statistic) the log-sum-exp over the rows that are cache slots: the statistics' normaliser, so
+    that a policy ranks its slots as if the rows an observer adds were not there."""
+    queries = _Queries(qf)
+    fused = qf.device.type == "cpu" and _FUSED_CPU is not None and not torch.compiler.is_compiling()
+    acc_t = torch.promote_types(qf.dtype, torch.float32)
+    m = s_acc = m_own = s_own = None
+    all_own = all(seg.slots is not None for seg in plan.segments)
+    o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
+    for seg, a, b in _blocks(plan):
+        k, v = _keys(plan, seg, a, b)
+        hidden = _mask(plan, seg.positions[:, a:b], groups)
+        q = queries(seg.k_basis)
+        if fused and v.shape[-1] == k.shape[-1]:
+            o, l = _fused_block(q, k, v, hidden, plan.scale)
+        else:
+            o, l = _plain_block(q, k, v, hidden, plan.scale, acc_t)
+        m, s_acc, w_new, w_old = _lse_merge(m, s_acc, l)
+        if plan.statistic is not None and seg.slots is not None and not all_own:
+            m_own, s_own, _, _ = _lse_merge(m_own, s_own, l)
+        o = torch.where(w_new > 0, o, torch.zeros_like(o)) * w_new
+        if w_old is not None:
+            for key, (acc, basis) in o_acc.items():
+                o_acc[key] = (acc * w_old, basis)
+        key = id(seg.v_basis) if seg.v_basis is not None else 0
+        prev = o_acc.get(key)
+        o_acc[key] = (o if prev is None else prev[0] + o, seg.v_basis)
+    if m is None:
+        raise ValueError("a read needs at least one key block")
+    out = None
+    for acc, basis in o_acc.values():
+        part = acc if basis is None else acc @ basis.to(acc.dtype)
+        out = part if out is None else out + part
+    out = (out / s_acc).to(qf.dtype)  # 0/0 = NaN where nothing is visible, as SDPA gives
+    lse = _lse(m, s_acc)
+    if all_own:
+        own = lse
+    else:
+        own = None if m_own is None else _lse(m_own, s_own)
+    return out, lse, own
+
+
+def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """One block in the CPU fused kernel: output (float32 or float64) and log-sum-exp ``[..., Q, 1]``
+    (``-inf`` for a row that sees nothing in the block)."""
+    lead, n, d = q.shape[:-2], q.shape[-2], q.shape[-1]
+    s = k.shape[-2]
+    # the kernel reads rows with unit stride only (a strided feature dim gave a wrong output, silently)
+    q4 = _unit_stride(q.reshape(1, -1, n, d))
+    k4 = _unit_stride(k.to(q.dtype).expand(*lead, s, d).reshape(1, -1, s, d))
+    v4 = _unit_stride(v.to(q.dtype).expand(*lead, s, v.shape[-1]).reshape(1, -1, s, v.shape[-1]))
+    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    mask = bias.expand(*lead, n, s).reshape(1, -1, n, s)
+    o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    l = l.to(wide).reshape(*lead, n, 1)
+    seen = (~hidden).any(-1, keepdim=True).expand(*lead, n, 1)  # the kernel reports lse 0 for a row it hid whole
+    l = torch.where(seen, l, torch.full_like(l, float("-inf")))
+    return o.to(wide).reshape(*lead, n, -1), l
+
+
+def _unit_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _plain_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float, acc: torch.dtype
+                 ) -> tuple[Tensor, Tensor]:
+    """One block by matmuls (any device, values of any feature size): normalised output and lse."""
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)).mul_(scale).masked_fill_(hidden, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = s.sub_(safe).exp_()
+    denom = p.sum(-1, keepdim=True)
+    o = (p @ v.to(acc)) / denom
+    return o, safe + torch.log(denom)
+
+
+def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) -> tuple[Tensor | None, Tensor | None]:
+    """Per-slot ``max_i p_ij`` / ``sum_i p_ij`` over the declared rows (see the module docstring),
+    ``p`` normalised by ``lse``, the log-sum-exp over the rows that are cache slots."""
+    if lse is None:  # no row of the read is a cache slot: nothing to score
+        z = torch.zeros((plan.dims.heads, plan.slots), dtype=torch.float64, device=qt.device)
+        return (z if "max" in plan.statistic.reduce else None), (z.clone() if "sum" in plan.statistic.reduce else None)
+    stat, dims = plan.statistic, plan.dims
+    heads, ha = dims.heads, dims.head_axis
+    Q = qt.shape[-2]
+    r = Q if stat.rows is None else min(stat.rows, Q)
+    rows = slice(Q - r, Q)
+    qs = fold_groups(qt[..., rows, :], heads, ha)
+    lse_rows = lse.reshape(*lse.shape[:-1], groups, Q)[..., rows].reshape(*lse.shape[:-1], groups * r)
+    acc = torch.promote_types(qt.dtype, torch.float32)
+    queries = _Queries(qs)
+    H, S, dev = heads, plan.slots, qt.device
+    kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
+    ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
+    for seg, a, b in _blocks(plan):
+        slots = seg.slot_index()
+        if slots is None:
+            continue
+        k, _ = _keys(plan, seg, a, b)
+        hidden = _mask(plan, seg.positions[:, a:b], groups, rows)
+        s = (queries(seg.k_basis).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
+            hidden, float("-inf"))
+        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64)  # [..., G*r, s]
+        ph = p.movedim(ha, 0).reshape(H, -1, p.shape[-1]) if ha is not None else p.reshape(1, -1, p.shape[-1])
+        dest = slots[:, a:b]
+        dest = torch.where(dest >= 0, dest, S).expand(H, -1)
+        if kmax is not None:
+            kmax.scatter_reduce_(-1, dest, ph.amax(1), reduce="amax")
+        if ksum is not None:
+            ksum.scatter_add_(-1, dest, ph.sum(1))
+    return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])

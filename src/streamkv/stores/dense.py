@@ -1,0 +1,253 @@
+"""``DenseStore``: the K/V of every layer as dense buffers ``[L, *k_shape]`` in the cache dtype.
+
+Writes follow the storage's :class:`~streamkv.stores.base.WritePlan`:
+
+- a contiguous run at a host offset (``where.start``: the chronological path): one slice copy;
+- eager, with host ranges (``where.ranges``: the ring): one ``narrow(...).copy_`` per range and
+  tensor (two where the span wraps and is large enough; below ``wrap_slices_min_bytes`` the
+  index path is cheaper);
+- otherwise through the device plan: one ``index_copy_`` along the token dim for a shared plan
+  (through an int64 view of the same bytes in eager mode, where the rows split into whole
+  8-byte words: on CPU ``index_copy_`` of 2-byte elements ran at 1.7x a plain ``copy_``), one
+  ``index_put_`` of (slot, head) pairs for a per-head plan. Either is safe under CUDA graph
+  capture: a graph captured for one chunk writes the next chunk's slots on replay. Inside a
+  ``torch.compile`` trace the writes go to the buffers flattened through the token dim (a view:
+  inductor then writes in place instead of copying the layer buffer).
+
+A read is one segment of every slot, a view of the layer's buffers: ``attend`` may hand it to
+SDPA as it lies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import Segment, Store, WritePlan
+from .dims import Dims
+
+__all__ = ["DenseStore"]
+
+
+def _int64_view(t: Tensor) -> Tensor | None:
+    """``t`` reinterpreted as int64 along its last dim, or None when its elements are already
+    8 bytes wide or the rows do not split into contiguous, 8-byte aligned whole words."""
+    size = t.element_size()
+    if size >= 8 or t.stride(-1) != 1 or (t.shape[-1] * size) % 8 or (t.storage_offset() * size) % 8:
+        return None
+    if any((st * size) % 8 for st in t.stride()[:-1]):
+        return None
+    return t.view(torch.long)
+
+
+class DenseStore(Store):
+    """Dense K/V buffers (see the module docstring). ``buffers``: preallocated ``(K, V)`` of the
+    full shapes (a :class:`~streamkv.caches.CacheSet` passes views of one allocation)."""
+
+    #: a span that wraps is written as two slices from this many bytes per tensor on, below it
+    #: through the index path: measured on CPU (``streamkv bench`` shapes, 2 threads), two slices
+    #: took 2.7 ms against 12.6 ms for a wrapping Self-Forcing chunk (28.8 MB), and 47 us against
+    #: 38 us for the tiny DiT's 8 kB (four more dispatched ops than one indexed write per tensor)
+    wrap_slices_min_bytes: int = 1 << 16
+    takes_buffers = True
+    #: False: eager writes follow the device plan too (tests and benchmarks compare the paths)
+    eager_slices: bool = True
+
+    def __init__(self, dims: Dims, *, num_layers: int, dtype: torch.dtype, device: torch.device,
+                 buffers: tuple[Tensor, Tensor] | None = None) -> None:
+        super().__init__(dims, num_layers=num_layers, dtype=dtype, device=device)
+        full_k = (num_layers, *dims.shape("k", dims.slots))
+        full_v = (num_layers, *dims.shape("v", dims.slots))
+        if buffers is None:
+            self.keys = torch.zeros(full_k, dtype=dtype, device=device)
+            self.values = torch.zeros(full_v, dtype=dtype, device=device)
+        else:
+            self.keys, self.values = buffers
+        self._k_wide, self._v_wide = _int64_view(self.keys), _int64_view(self.values)
+        self._layer_kv = tuple((self.keys[i], self.values[i]) for i in range(num_layers))
+        self._heads_idx = torch.arange(dims.heads, device=self.keys.device).expand(dims.chunk, dims.heads)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"keys": self.keys, "values": self.values}
+
+    def _layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """One layer's K and V (views): kept once for eager calls (a ``select`` per call was a third
+        of the tiny DiT's write); derived inside a trace, so that every view a compiled step uses
+        comes from the one buffer it mutates."""
+        if torch.compiler.is_compiling():
+            return self.keys[layer], self.values[layer]
+        return self._layer_kv[layer]
+
+    # ----------------------------------------------------------------- writes
+    def write(self, layer: int, k: Tensor, v: Tensor, where: WritePlan) -> None:
+        d = self.dims
+        n = k.shape[d.seq]
+        keys, values = self._layer(layer)
+        if where.start is not None:
+            keys.narrow(d.seq, where.start, n).copy_(k)
+            values.narrow(d.seq, where.start, n).copy_(v)
+            return
+        ranges = self._host_ranges(where, n, k)
+        if ranges is not None:
+            at = 0
+            for a, m in ranges:
+                src_k = k if len(ranges) == 1 else k.narrow(d.seq, at, m)
+                src_v = v if len(ranges) == 1 else v.narrow(d.seq, at, m)
+                keys.narrow(d.seq, a, m).copy_(src_k)
+                values.narrow(d.seq, a, m).copy_(src_v)
+                at += m
+            return
+        if not where.per_head or d.head is None:
+            slots = where.plan[layer if where.per_head else 0, 0]
+            if n != d.chunk:
+                slots = slots[:n]
+            if torch.compiler.is_compiling() and self._write_traced(layer, k, v, slots):
+                return
+            # the int64 view helps the eager CPU kernel; a compiled step generates its own
+            # kernel (and cannot inspect a traced tensor's storage offset)
+            eager = not torch.compiler.is_compiling()
+            for buf, wide, x in ((keys, self._k_wide, k), (values, self._v_wide, v)):
+                x_wide = _int64_view(x) if eager and wide is not None else None
+                if x_wide is not None:
+                    wide[layer].index_copy_(d.seq, slots, x_wide)
+                else:
+                    buf.index_copy_(d.seq, slots, x)
+            return
+        plan = where.plan[layer] if n == d.chunk else where.plan[layer, :, :n]
+        if torch.compiler.is_compiling() and self._write_traced_per_head(layer, k, v, plan):
+            return
+        idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
+        d.rows(keys).index_put_(idx, d.rows(k))
+        d.rows(values).index_put_(idx, d.rows(v))
+
+    def _host_ranges(self, where: WritePlan, n: int, k: Tensor) -> tuple[tuple[int, int], ...] | None:
+        """``where.ranges`` when this write may use them: eager (not traced by ``torch.compile``,
+        not captured into a CUDA graph), enabled, covering exactly the ``n`` rows, and one range
+        or a span of at least ``wrap_slices_min_bytes``."""
+        if torch.compiler.is_compiling():
+            return None  # checked first: a traced step must not read (and guard on) a host offset
+        ranges = where.ranges
+        if ranges is None or not self.eager_slices:
+            return None
+        if self.keys.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a graph replays later chunks: it must read their slots from the plan
+        if len(ranges) == 1:
+            return ranges if ranges[0][1] == n else None
+        if k.numel() * k.element_size() < self.wrap_slices_min_bytes:
+            return None
+        return ranges if sum(m for _, m in ranges) == n else None
+
+    def _flat_buffers(self) -> list[Tensor] | None:
+        """K and V flattened through the token dim (views), or None where that is not a view."""
+        seq = self.dims.seq + 1
+        flats = []
+        for buf in (self.keys, self.values):
+            shape, stride = buf.shape, buf.stride()
+            if any(stride[d] != stride[d + 1] * shape[d + 1] for d in range(seq)):
+                return None
+            flats.append(buf.flatten(0, seq))
+        return flats
+
+    def _write_traced(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> bool:
+        """The shared-plan write inside a ``torch.compile`` trace: ``index_copy_`` into each buffer
+        flattened through its token dimension (a view), at ``(layer, leading index) * S + slot``.
+        Inductor writes that in place; through a ``select`` of the layer it copied the whole layer
+        buffer into a temporary per call (measured on CPU). False when the buffers do not flatten."""
+        d = self.dims
+        seq = d.seq + 1
+        flats = self._flat_buffers()
+        if flats is None:
+            return False
+        lead, S = math.prod(d.k_shape[: d.seq]), d.slots
+        idx = slots if lead == 1 else (torch.arange(lead, device=slots.device)[:, None] * S + slots).reshape(-1)
+        idx = idx + layer * lead * S
+        for flat, x in zip(flats, (k, v)):
+            flat.index_copy_(0, idx, x.flatten(0, seq - 1) if seq > 1 else x)
+        return True
+
+    def _write_traced_per_head(self, layer: int, k: Tensor, v: Tensor, plan: Tensor) -> bool:
+        """The per-head write inside a ``torch.compile`` trace, in place (as :meth:`_write_traced`):
+        each (row, head) at its flat index from the device plan ``[H, n]``. Layouts with the head
+        dim before the token dim, or right after it; False otherwise."""
+        d = self.dims
+        seq, head = d.seq, d.head
+        if not (head < seq or head == seq + 1):
+            return False
+        flats = self._flat_buffers()
+        if flats is None:
+            return False
+        lead_shape = d.k_shape[:seq]
+        lead, S, n, H = math.prod(lead_shape), d.slots, plan.shape[-1], d.heads
+        base = torch.arange(lead, device=plan.device) * S + layer * lead * S
+        if head < seq:  # [..., H, ..., n]: one flat index per (leading coordinates, row)
+            shape = [1] * (seq + 1)
+            shape[head] = H
+            shape[seq] = n
+            idx = base.view(*lead_shape, 1) + plan.reshape(shape)
+            for flat, x in zip(flats, (k, v)):
+                flat.index_copy_(0, idx.reshape(-1), x.flatten(0, seq) if seq else x)
+            return True
+        # [..., n, H, ...]: a flat index per (leading coordinates, row, head), and the head
+        idx = base.view(*lead_shape, 1, 1) + plan.transpose(0, 1)
+        heads = torch.arange(H, device=plan.device)
+        for flat, x in zip(flats, (k, v)):
+            flat.index_put_((idx, heads), x)
+        return True
+
+    # ------------------------------------------------------------------ reads
+    def segments(self, layer: int, positions: Tensor) -> list[Segment]:
+        d = self.dims
+        keys, values = self._layer(layer)
+        return [Segment(n=d.slots, positions=positions, keys=d.attention(keys), values=d.attention(values),
+                        features=d.features, dtype=self.dtype)]
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        return self.keys, self.values
+
+    def stored(self, layer: int, which: str) -> Tensor:
+        return self._layer(layer)[0 if which == "k" else 1]
+
+    def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
+        buf = self._layer(layer)[0 if which == "k" else 1]
+        return buf.index_select(self.dims.seq, slots)
+
+    def head_view(self, which: str, layer: int | None = None) -> Tensor:
+        d = self.dims
+        buf = self.keys if which == "k" else self.values
+        rest = [1 + i for i in range(d.rank - 1) if i not in (d.seq, d.head)]
+        head = [1 + d.head] if d.head is not None else []
+        x = buf.permute(0, *head, *rest, 1 + d.seq, d.rank)
+        if d.head is None:
+            x = x.unsqueeze(1)
+        x = x.reshape(*x.shape[:2], -1, *x.shape[-2:])
+        return x if layer is None else x[layer]
+
+    # ------------------------------------------------------- slot maintenance
+    def write_recall(self, layer: int, head: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        d = self.dims
+        keys, values = self._layer_kv[layer]
+        kd, vd = d.rows(keys), d.rows(values)
+        kd[slots, head] = k.reshape(len(slots), *kd.shape[2:])
+        vd[slots, head] = v.reshape(len(slots), *vd.shape[2:])
+
+    def clear_recall(self, layer: int, head: int, slots: Tensor) -> None:
+        d = self.dims
+        keys, values = self._layer_kv[layer]
+        d.rows(keys)[slots, head] = 0
+        d.rows(values)[slots, head] = 0
+
+    def shift(self, dst: int, src: int, n: int) -> None:
+        seq = self.dims.seq + 1
+        # every temporary first: an allocation failure (out of memory) leaves everything as it was
+        moved = [buf.narrow(seq, src, n).clone() for buf in (self.keys, self.values)]
+        for buf, m in zip((self.keys, self.values), moved):
+            buf.narrow(seq, dst, n).copy_(m)
+
+    def zero_(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+
+    def __repr__(self) -> str:
+        return f"DenseStore({str(self.dtype).replace('torch.', '')}, bytes={self.nbytes})"

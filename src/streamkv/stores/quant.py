@@ -1,0 +1,389 @@
+"""``QuantStore``: codes and scales of a :class:`~streamkv.stores.codecs.KVQuant` format instead of
+dense K/V, with the rows still being written kept in full precision.
+
+Per layer (tensors in the cache's layout, the token dim holding slots, the last dim changed)::
+
+    k_codes, v_codes   uint8 [L, *shape, slots c0..S, W]   codes of slots [c0, S)
+    k_scale, v_scale   bfloat16 [L, *shape, slots, G]      a scale per group (scaled formats)
+    hot_k, hot_v       cache dtype [L, *shape, NH, D]      full-precision rows: sinks, open span, residual
+    hot_row            int64 [L|1, H|1, S]                 the hot row a slot reads (-1: its codes)
+    hot_plan           int64 [chunk]                       the hot rows of the open span's rows
+
+``c0 = sink`` when the sinks stay in full precision (their slots have no codes), else 0.
+``NH = c0 + residual + chunk``: a non-sink position ``p`` lives in hot row
+``c0 + p % (residual + chunk)`` while it is hot; the open span and the ``residual`` newest
+committed positions never collide there.
+
+Lifecycle (after the policy's plan is applied): ``begin`` gives the open span its hot rows
+(``hot_plan``, device arithmetic in place) and points its slots at them (``hot_row``, a
+``scatter_`` through the device plan); ``write`` is one ``index_copy_`` into the hot rows (device
+indices: graph-safe); ``commit`` quantises the span's non-sink rows *once* into the codes of their
+slots and releases the hot rows of the positions that leave the residual.
+
+A read is two segments: the codes of slots ``[c0, S)`` (a hot slot hidden there) and the hot
+rows with the positions of the slots that read them. Nothing is decoded into a dense copy of the
+history: the reader decodes a block at a time, or in registers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import Segment, Store, WritePlan
+from .codecs import KVQuant, hadamard
+from .dims import Dims
+
+__all__ = ["QuantStore"]
+
+
+class QuantStore(Store):
+    """Codes, scales and full-precision hot rows of one cache (see the module docstring)."""
+
+    exact = False
+
+    def __init__(self, dims: Dims, quant: KVQuant, *, num_layers: int, dtype: torch.dtype, device: torch.device,
+                 sink: int, capacity: int, per_head: bool) -> None:
+        super().__init__(dims, num_layers=num_layers, dtype=dtype, device=device)
+        D, Dv = dims.features
+        quant.check(D, Dv)
+        self.quant = quant
+        self.kf, self.vf = quant.key_format, quant.value_format
+        self.gk, self.gv = quant.groups(D, Dv)
+        self.sink, self.capacity = sink, capacity
+        self.c0 = sink if quant.sinks else 0
+        self.ring = quant.residual + dims.chunk
+        self.rows = self.c0 + self.ring
+        L, S, H = num_layers, dims.slots, dims.heads
+        n_codes = S - self.c0
+
+        def buf(which: str, last: int, n: int, dt: torch.dtype) -> Tensor:
+            return torch.zeros((L, *dims.shape(which, n, last)), dtype=dt, device=device)
+
+        self.k_codes = buf("k", self.kf.code_width(D), n_codes, torch.uint8)
+        self.v_codes = buf("v", self.vf.code_width(Dv), n_codes, torch.uint8)
+        self.k_scale = buf("k", D // self.gk, n_codes, torch.bfloat16) if self.kf.scaled else None
+        self.v_scale = buf("v", Dv // self.gv, n_codes, torch.bfloat16) if self.vf.scaled else None
+        self.hot_k = buf("k", D, self.rows, dtype)
+        self.hot_v = buf("v", Dv, self.rows, dtype)
+        lp, hp = (L, H) if per_head else (1, 1)
+        self.hot_row = torch.full((lp, hp, S), -1, dtype=torch.long, device=device)
+        self.hot_plan = torch.zeros(dims.chunk, dtype=torch.long, device=device)
+        self._arange = torch.arange(dims.chunk, dtype=torch.long, device=device)
+        self._ring = torch.tensor(self.ring, dtype=torch.long, device=device)
+        self._slot_idx = torch.arange(S, dtype=torch.long, device=device)
+        self._heads_idx = torch.arange(H, dtype=torch.long, device=device)
+        self._sinks_hot()
+        kb, vb = quant.bases()
+        self.rk = hadamard(D, device) if kb == "hadamard" else None
+        self.rv = hadamard(Dv, device) if vb == "hadamard" else None
+        self.acc = torch.promote_types(dtype, torch.float32)
+
+    def _sinks_hot(self) -> None:
+        if self.c0:
+            self.hot_row[..., : self.c0] = torch.arange(self.c0, device=self.hot_row.device)
+
+    # ------------------------------------------------------------------ sizes
+    def tensors(self) -> dict[str, Tensor]:
+        out = {"k_codes": self.k_codes, "v_codes": self.v_codes, "hot_k": self.hot_k, "hot_v": self.hot_v,
+               "hot_row": self.hot_row, "hot_plan": self.hot_plan}
+        if self.k_scale is not None:
+            out["k_scale"] = self.k_scale
+        if self.v_scale is not None:
+            out["v_scale"] = self.v_scale
+        return out
+
+    def state(self) -> dict[str, Tensor]:
+        return {f"quant_{k}": t for k, t in self.tensors().items()}
+
+    def config(self) -> dict[str, Any]:
+        return {"quant": self.quant.config()}
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of codes and scales (the quantised part)."""
+        return sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale) if t is not None)
+
+    def bytes_per_token(self) -> float:
+        """Code and scale bytes per stored token (every layer and head, K and V)."""
+        n = self.k_codes.shape[self.dims.seq + 1]
+        return self.code_bytes / n if n else 0.0
+
+    def describe(self) -> dict[str, Any]:
+        hot = self.hot_k.nbytes + self.hot_v.nbytes
+        return {"format": self.quant.label(), "bytes": self.nbytes, "code_bytes": self.code_bytes,
+                "full_precision_bytes": hot, "full_precision_rows": self.rows,
+                "map_bytes": self.hot_row.nbytes + self.hot_plan.nbytes}
+
+    # -------------------------------------------------------------- lifecycle
+    def begin(self, start: int, n: int, where: WritePlan) -> None:
+        hp = self.hot_plan
+        hp.copy_(self._arange).add_(start).remainder_(self._ring).add_(self.c0)
+        if self.c0 and start < self.c0:
+            m = min(self.c0 - start, n)
+            hp[:m].copy_(self._arange[:m]).add_(start)
+        plan = where.plan[..., :n]  # [L|1, H|1, n], the shape of hot_row's leading dims
+        self.hot_row.scatter_(-1, plan.expand(*self.hot_row.shape[:2], n), hp[:n].expand(*self.hot_row.shape[:2], n))
+
+    def write(self, layer: int, k: Tensor, v: Tensor, where: WritePlan) -> None:
+        seq = self.dims.seq
+        n = k.shape[seq]
+        rows = self.hot_plan if n == self.dims.chunk else self.hot_plan[:n]
+        self.hot_k[layer].index_copy_(seq, rows, k)
+        self.hot_v[layer].index_copy_(seq, rows, v)
+
+    def check_commit(self, start: int, n: int) -> None:
+        first = max(0, min(self.c0 - start, n))
+        if first < n and not torch.compiler.is_compiling():
+            rows = self.hot_plan[first:n]
+            s = self.dims.seq + 1
+            finite = torch.stack([torch.isfinite(h.index_select(s, rows)).all() for h in (self.hot_k, self.hot_v)])
+            if not bool(finite.all()):  # one device read per commit of a quantised store
+                raise ValueError(f"positions [{start}, {start + n}) hold NaN or inf keys or values: quantised storage "
+                                 f"encodes finite numbers only (a scale of inf or NaN means nothing); write finite "
+                                 f"K/V again before the commit; nothing was committed")
+
+    def commit(self, start: int, n: int, where: WritePlan) -> None:
+        first = max(0, min(self.c0 - start, n))  # rows [0, first) are full-precision sinks
+        if first < n:
+            self._quantise_rows(self.hot_plan[first:n], where.plan[..., first:n], where.per_head)
+        # hot (non-sink) positions before this commit: [max(c0, start - residual), start + n);
+        # after it: [max(c0, start + n - residual), start + n)
+        r = self.quant.residual
+        self._release(max(self.c0, start - r), max(self.c0, start + n - r))
+
+    def _release(self, lo: int, hi: int) -> None:
+        """Slots reading hot rows of positions ``[lo, hi)`` read their codes from now on."""
+        if hi <= lo:
+            return
+        m = hi - lo
+        if m >= self.ring:
+            ranges = [(self.c0, self.rows)]
+        else:
+            a = self.c0 + lo % self.ring
+            b = a + m
+            ranges = [(a, min(b, self.rows))] + ([(self.c0, self.c0 + b - self.rows)] if b > self.rows else [])
+        hr = self.hot_row
+        for a, b in ranges:
+            hr.masked_fill_((hr >= a) & (hr < b), -1)
+
+    def _quantise_rows(self, rows: Tensor, slots: Tensor, per_head: bool) -> None:
+        """Hot ``rows [m]`` of every layer -> codes at ``slots [L|1, H|1, m]``."""
+        d, s = self.dims, self.dims.seq + 1
+        idx = slots - self.c0
+        for which in ("k", "v"):
+            hot = self.hot_k if which == "k" else self.hot_v
+            codes, scale = self._encode(which, hot.index_select(s, rows))  # [L, *shape(m), W]
+            cbuf, sbuf = (self.k_codes, self.k_scale) if which == "k" else (self.v_codes, self.v_scale)
+            pairs = [(cbuf, codes)] + ([(sbuf, scale)] if sbuf is not None else [])
+            if not per_head:
+                for buf, x in pairs:
+                    buf.index_copy_(s, idx[0, 0], x)
+            elif d.head is None:  # one virtual head, a plan per layer
+                for layer in range(self.num_layers):
+                    for buf, x in pairs:
+                        buf[layer].index_copy_(d.seq, idx[layer, 0], x[layer])
+            else:
+                m = idx.shape[-1]
+                heads = self._heads_idx.expand(m, -1)
+                for layer in range(self.num_layers):
+                    for buf, x in pairs:
+                        d.rows(buf[layer]).index_put_((idx[layer].transpose(0, 1), heads), d.rows(x[layer]))
+
+    def _encode(self, which: str, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        fmt, g, r = (self.kf, self.gk, self.rk) if which == "k" else (self.vf, self.gv, self.rv)
+        x = x.float()
+        if r is not None:
+            x = x @ r.T
+        return fmt.encode(x, g)
+
+    # ------------------------------------------------------------------ reads
+    def hot_row_of(self, layer: int) -> Tensor:
+        """``[H|1, S]``: the hot row each slot of ``layer`` reads (-1: codes)."""
+        return self.hot_row[layer if self.hot_row.shape[0] > 1 else 0]
+
+    def segments(self, layer: int, positions: Tensor) -> list[Segment]:
+        d, c0, NH = self.dims, self.c0, self.rows
+        H = positions.shape[0]
+        hr = self.hot_row_of(layer).expand(H, -1)
+        hot = hr >= 0
+        # the hot rows' positions and slots: scattered from the slots that read them (a spare column
+        # takes the slots that read none)
+        dest = torch.where(hot, hr, NH)
+        hot_pos = torch.full((H, NH + 1), -1, dtype=torch.long, device=self.device)
+        hot_pos.scatter_(-1, dest, torch.where(hot, positions, -1))
+        hot_slot = torch.full((H, NH + 1), -1, dtype=torch.long, device=self.device)
+        hot_slot.scatter_(-1, dest, torch.where(hot, self._slot_idx.expand(H, -1), -1))
+        code_pos = torch.where(hot[:, c0:], -1, positions[:, c0:])
+        out = [Segment(n=NH, positions=hot_pos[:, :NH], keys=d.attention(self.hot_k[layer]),
+                       values=d.attention(self.hot_v[layer]), features=d.features, dtype=self.dtype,
+                       slots=hot_slot[:, :NH])]
+        if d.slots > c0:
+            out.append(Segment(
+                n=d.slots - c0, positions=code_pos, keys=d.attention(self.k_codes[layer]),
+                values=d.attention(self.v_codes[layer]), features=d.features, dtype=self.acc,
+                k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
+                k_scale=None if self.k_scale is None else d.attention(self.k_scale[layer]),
+                v_scale=None if self.v_scale is None else d.attention(self.v_scale[layer]),
+                k_basis=self.rk, v_basis=self.rv, slots=c0))
+        return out
+
+    def _decode(self, which: str, codes: Tensor, scale: Tensor | None) -> Tensor:
+        fmt, g, r, dim = (self.kf, self.gk, self.rk, self.dims.features[0]) if which == "k" else (
+            self.vf, self.gv, self.rv, self.dims.features[1])
+        x = fmt.decode(codes, scale, dim, g)
+        if r is not None:
+            x = x @ r
+        return x.to(self.acc)
+
+    def _overlay(self, hot: Tensor, x: Tensor, idx: Tensor) -> Tensor:
+        """``x`` (decoded rows of some slots, layer layout) with the hot rows ``idx [H|1, n]`` substituted."""
+        d, seq = self.dims, self.dims.seq
+        use, safe = idx >= 0, idx.clamp(min=0)
+        if idx.shape[0] == 1 or d.head is None:  # one map for every head
+            h = hot.index_select(seq, safe[0]).to(self.acc)
+            shape = [1] * x.dim()
+            shape[seq] = idx.shape[-1]
+            return torch.where(use[0].view(shape), h, x)
+        n = idx.shape[-1]
+        g = d.rows(hot)[safe.transpose(0, 1), self._heads_idx].to(self.acc)  # [n, H, ..., D]
+        xp = d.rows(x)
+        m = use.transpose(0, 1).view(n, idx.shape[0], *([1] * (xp.dim() - 2)))
+        return d.unrows(torch.where(m, g, xp))
+
+    def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
+        """Stored K (``"k"``) or V of ``layer`` at ``slots`` (a copy, at least float32)."""
+        seq = self.dims.seq
+        codes = (self.k_codes if which == "k" else self.v_codes)[layer]
+        scale = self.k_scale if which == "k" else self.v_scale
+        hot = (self.hot_k if which == "k" else self.hot_v)[layer]
+        ci = (slots - self.c0).clamp(min=0)
+        x = self._decode(which, codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci))
+        idx = self.hot_row_of(layer).index_select(-1, slots)
+        if self.c0:  # sink slots: always their hot rows
+            idx = torch.where(slots.view(1, -1) < self.c0, slots.view(1, -1), idx)
+        return self._overlay(hot, x, idx)
+
+    def error_bounds(self, layer: int, which: str, slots: Tensor | None = None) -> Tensor:
+        """Bounds on ``|x - x_hat|`` of ``slots`` (all when None) in the storage basis (0 for hot
+        rows): what the certificate charges (:mod:`streamkv.certify.quant_bound`)."""
+        d, seq = self.dims, self.dims.seq
+        slots = self._slot_idx if slots is None else slots
+        fmt, g, dim = (self.kf, self.gk, d.features[0]) if which == "k" else (self.vf, self.gv, d.features[1])
+        codes = (self.k_codes if which == "k" else self.v_codes)[layer]
+        scale = self.k_scale if which == "k" else self.v_scale
+        ci = (slots - self.c0).clamp(min=0)
+        e = fmt.error_bound(codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci),
+                            dim, g)
+        hot = (self.hot_row_of(layer).index_select(-1, slots) >= 0) | (slots.view(1, -1) < self.c0)  # [H|1, n]
+        zero = torch.zeros((), dtype=e.dtype, device=e.device)
+        if hot.shape[0] == 1 or d.head is None:
+            view = [1] * e.dim()
+            view[seq] = hot.shape[-1]
+            return torch.where(hot[0].view(view), zero, e)
+        ep = d.rows(e)
+        n = hot.shape[-1]
+        m = hot.transpose(0, 1).view(n, hot.shape[0], *([1] * (ep.dim() - 2)))
+        return d.unrows(torch.where(m, zero, ep))
+
+    def basis(self, which: str) -> Tensor | None:
+        return self.rk if which == "k" else self.rv
+
+    # ------------------------------------------------------- slot maintenance
+    def shift(self, dst: int, src: int, n: int) -> None:
+        if src < self.c0 or dst < self.c0:
+            raise ValueError(f"shift of slots [{src}, {src + n}) -> [{dst}, ...) touches the full-precision sinks")
+        s = self.dims.seq + 1
+        bufs = [t for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale) if t is not None]
+        moved = [t.narrow(s, src - self.c0, n).clone() for t in bufs]
+        hr = self.hot_row.narrow(-1, src, n).clone()
+        for t, m in zip(bufs, moved):
+            t.narrow(s, dst - self.c0, n).copy_(m)
+        self.hot_row.narrow(-1, dst, n).copy_(hr)
+
+    def write_recall(self, layer: int, head: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        d = self.dims
+        ci = slots - self.c0
+        for which, x in (("k", k), ("v", v)):
+            codes, scale = self._encode(which, x)
+            cbuf, sbuf = (self.k_codes, self.k_scale) if which == "k" else (self.v_codes, self.v_scale)
+            d.rows(cbuf[layer])[ci, head] = codes
+            if sbuf is not None:
+                d.rows(sbuf[layer])[ci, head] = scale
+        hr = self.hot_row_of(layer)
+        if hr.shape[0] > 1:
+            hr[head, slots] = -1
+
+    def clear_recall(self, layer: int, head: int, slots: Tensor) -> None:
+        d = self.dims
+        ci = slots - self.c0
+        for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale):
+            if t is not None:
+                d.rows(t[layer])[ci, head] = 0
+
+    def zero_(self) -> None:
+        for t in self.tensors().values():
+            if t is not self.hot_row and t is not self.hot_plan:
+                t.zero_()
+        self.hot_row.fill_(-1)
+        self.hot_plan.zero_()
+        self._sinks_hot()
+
+    # ------------------------------------------------------------- state dicts
+    def check_state(self, state: dict[str, Any], positions: Tensor, end: int, span: int, is_open: bool) -> None:
+        """The full-precision rows a state dict claims are exactly those this store would hold at
+        ``end`` with the last span ``span`` long (open or not): the sinks read their own rows; the
+        positions of the open span and of the residual read row ``c0 + p % (residual + chunk)``;
+        no other slot reads a hot row; ``hot_plan`` names the last span's rows; scales are finite
+        and >= 0."""
+        hr = state["quant_hot_row"].to("cpu")
+        pos = positions.to("cpu")
+        H = max(hr.shape[1], pos.shape[1])
+        hr, pos = hr.expand(-1, H, -1), pos.expand(hr.shape[0], H, -1)
+        start, r = end - span, self.quant.residual
+        # the positions that read hot rows: the residual and the span; an open span reopened after its
+        # commit has had the residual before it released already
+        los = {max(self.c0, end - r)} if not is_open else {max(self.c0, start - r), max(self.c0, min(start, end - r))}
+        check = (pos >= 0) | (torch.arange(pos.shape[-1]) < self.c0)
+        mismatch = None
+        for lo in sorted(los):
+            hot = (pos >= lo) & (pos < end) & (pos >= self.c0)
+            want = torch.where(hot, self.c0 + pos.remainder(self.ring), -1)
+            if self.c0:  # full-precision sink slots read their rows even before the sinks are written
+                want[..., : self.c0] = torch.arange(self.c0)
+            # an empty slot may still name the row of a token its head evicted while it was hot (the
+            # row is released with its position); every other slot must read exactly what this store would
+            wrong = (hr != want) & check
+            if not bool(wrong.any()):
+                mismatch = None
+                break
+            bad = wrong.nonzero()[0].tolist()
+            mismatch = (f"state dict quant_hot_row contradicts the stream at end={end}: slot {bad[2]} (layer {bad[0]}, "
+                        f"head {bad[1]}) reads full-precision row {int(hr[tuple(bad)])}, where this store would read "
+                        f"{int(want[tuple(bad)])} (-1: its codes)")
+        if mismatch:
+            raise ValueError(mismatch)
+        if bool(((hr < -1) | (hr >= self.rows)).any()):
+            raise ValueError(f"state dict quant_hot_row must be -1 or in [0, {self.rows})")
+        used = torch.where(hr >= 0, hr, -1 - torch.arange(hr.shape[-1]))
+        srt = used.sort(-1).values
+        if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()):
+            raise ValueError("state dict quant_hot_row: two slots of one head read the same full-precision row")
+        if span:
+            i = torch.arange(span)
+            hp_want = self.c0 + (start + i).remainder(self.ring)
+            if self.c0:
+                hp_want = torch.where(start + i < self.c0, start + i, hp_want)
+            if not bool((state["quant_hot_plan"].to("cpu")[:span] == hp_want).all()):
+                raise ValueError(f"state dict quant_hot_plan must name the rows of the last span "
+                                 f"[{start}, {end}): {hp_want.tolist()}")
+        for name in ("quant_k_scale", "quant_v_scale"):
+            if name in state:
+                s = state[name].float()
+                if not bool((torch.isfinite(s) & (s >= 0)).all()):
+                    raise ValueError(f"state dict {name} must be finite and >= 0")
+
+    def __repr__(self) -> str:
+        return f"QuantStore({self.quant.label()}, hot_rows={self.rows}, bytes={self.nbytes})"
