@@ -97,8 +97,8 @@ def _blocks(plan: BlockPlan):
             yield seg, a, min(a + plan.block, seg.n)
 
 
-def _keys(plan: BlockPlan, seg: Segment, a: int, b: int) -> tuple[Tensor, Tensor]:
-    k, v = seg.load(a, b)
+def _keys(plan: BlockPlan, seg: Segment, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    k, v = seg.load(a, b, dtype)
     if plan.rotation is not None:
         k = plan.rotation.keys_at(k, seg.positions[:, a:b])
     return k, v
@@ -166,10 +166,11 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     all_own = all(seg.slots is not None for seg in plan.segments)
     o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
     for seg, a, b in _blocks(plan):
-        k, v = _keys(plan, seg, a, b)
+        fuse = fused and seg.features[0] == seg.features[1]
+        k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
         hidden = _mask(plan, seg.positions[:, a:b], groups)
         q = queries(seg.k_basis)
-        if fused and v.shape[-1] == k.shape[-1]:
+        if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
         else:
             o, l = _plain_block(q, k, v, hidden, plan.scale, acc_t)
@@ -208,7 +209,8 @@ def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) 
     k4 = _unit_stride(k.to(q.dtype).expand(*lead, s, d).reshape(1, -1, s, d))
     v4 = _unit_stride(v.to(q.dtype).expand(*lead, s, v.shape[-1]).reshape(1, -1, s, v.shape[-1]))
     bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-    mask = bias.expand(*lead, n, s).reshape(1, -1, n, s)
+    rows = hidden.shape[-2]  # 1: the kernel broadcasts one mask row over the queries
+    mask = bias.expand(*lead, rows, s).reshape(1, -1, rows, s)
     o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     l = l.to(wide).reshape(*lead, n, 1)

@@ -154,7 +154,7 @@ class RopeAtRead:
         rot = self._device_rotary
         if rot is None:
             raise RuntimeError("RopeAtRead is not bound to a cache (pass it as rope_at_read= to a cache)")
-        units = rot.units(positions)
+        units = rot.units(_one_row(positions))
         q_units = rot.units(query_positions).view(1, -1).expand(units.shape[0], -1)
         return MapInputs(units, q_units[:, :1], self.sink_units), q_units
 
@@ -190,6 +190,14 @@ class RopeAtRead:
         return RotationPlan(self, read, inp, origin, q_rot - origin)
 
 
+def _one_row(positions: Tensor) -> Tensor:
+    """``positions [H, N]`` as one row ``[1, N]`` when every head holds the same (a broadcast view:
+    window caches), so that maps and tables are evaluated once for all heads."""
+    if positions.shape[0] > 1 and positions.stride(0) == 0:
+        return positions[:1]
+    return positions
+
+
 class RotationPlan:
     """One read's rotation: queries rotated once, keys a block at a time (the map evaluated at
     each block's positions against the read's held units)."""
@@ -199,7 +207,10 @@ class RotationPlan:
         self.inputs, self.origin, self.query_units = inputs, origin, query_units
 
     def key_units(self, positions: Tensor) -> Tensor:
-        """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value)."""
+        """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value);
+        ``[1, N]`` when the read's heads all hold the same positions."""
+        if self.inputs.held.shape[0] == 1:
+            positions = _one_row(positions)
         return self.rope._evaluate(self.inputs, self.rope._device_rotary.units(positions)) - self.origin
 
     def _tables(self, delta: Tensor, positions: Tensor, dtype: torch.dtype, heads_axis: int | None, lead: int,
@@ -207,7 +218,7 @@ class RotationPlan:
         """cos/sin ``[H, N, D/2]`` arranged to broadcast against ``[*lead, N, D]`` with heads at
         ``heads_axis`` (repeated ``groups`` times for grouped queries)."""
         cos, sin = self.rope._device_rotary.cos_sin(delta, positions, dtype)
-        if groups > 1:
+        if groups > 1 and cos.shape[0] > 1:
             cos, sin = cos.repeat_interleave(groups, 0), sin.repeat_interleave(groups, 0)
         shape = [1] * lead + list(cos.shape[-2:])
         if heads_axis is None:
@@ -220,7 +231,7 @@ class RotationPlan:
         read = self.read
         lead = qt.dim() - 2
         hk = self.query_units.shape[0]
-        groups = 1 if read.head_axis is None else qt.shape[read.head_axis] // hk
+        groups = 1 if read.head_axis is None or hk == 1 else qt.shape[read.head_axis] // hk
         qpos = read.query_positions.view(1, -1).expand(hk, -1)
         acc = torch.promote_types(qt.dtype, torch.float32)
         cos, sin = self._tables(self.query_units, qpos, acc, read.head_axis, lead, groups)
@@ -228,20 +239,13 @@ class RotationPlan:
 
     def keys_at(self, kt: Tensor, positions: Tensor) -> Tensor:
         """Keys ``[..., N, D]`` (attention layout) held at ``positions [H, N]``, rotated (same
-        dtype), ``rows`` slots at a time into one block-sized buffer (the float32 work stays that wide)."""
+        dtype). The tables are built once for all heads where they hold the same positions."""
         read = self.read
         acc = torch.promote_types(kt.dtype, torch.float32)
-        rows, n = self.rope.rows, positions.shape[-1]
         delta = self.key_units(positions)
-        if n <= rows:
-            cos, sin = self._tables(delta, positions, acc, read.head_axis, kt.dim() - 2)
-            return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
-        out = torch.empty(kt.shape, dtype=kt.dtype, device=kt.device)
-        for lo in range(0, n, rows):
-            hi = min(lo + rows, n)
-            cos, sin = self._tables(delta[:, lo:hi], positions[:, lo:hi], acc, read.head_axis, kt.dim() - 2)
-            out[..., lo:hi, :] = self.rope.rotary.rotate(kt[..., lo:hi, :].to(acc), cos, sin)
-        return out
+        pos = positions[: delta.shape[0]]
+        cos, sin = self._tables(delta, pos, acc, read.head_axis, kt.dim() - 2)
+        return self.rope.rotary.rotate_as(kt, cos, sin)
 
     def chronological_keys(self, kt: Tensor, positions: list[int]) -> Tensor:
         """Gathered keys ``[..., L, D]`` (attention layout) at host ``positions`` (chronological
@@ -250,5 +254,6 @@ class RotationPlan:
         pos = torch.tensor(positions, dtype=torch.long, device=kt.device).view(1, -1)
         pos = pos.expand(read.positions.shape[0], -1)
         acc = torch.promote_types(kt.dtype, torch.float32)
-        cos, sin = self._tables(self.key_units(pos), pos, acc, read.head_axis, kt.dim() - 2)
-        return self.rope.rotary.rotate(kt.to(acc), cos, sin).to(kt.dtype)
+        delta = self.key_units(pos)
+        cos, sin = self._tables(delta, pos[: delta.shape[0]], acc, read.head_axis, kt.dim() - 2)
+        return self.rope.rotary.rotate_as(kt, cos, sin)

@@ -123,21 +123,22 @@ class Segment:
         phys = self.pages.index_select(0, idx // P) * P + idx % P
         return t.index_select(-2, phys)
 
-    def load(self, a: int, b: int) -> tuple[Tensor, Tensor]:
+    def load(self, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Attendable K/V of rows ``[a, b)`` in the attention layout: dense rows as stored (a
-        view where it can be), codes decoded (float32, or the cache dtype if wider), in the
-        segment's basis (the reader applies ``k_basis`` to the queries and ``v_basis`` to the
-        output)."""
+        view where it can be), codes decoded into ``dtype`` (default :attr:`dtype`: float32, or
+        the cache dtype if wider; the float32 values rounded once), in the segment's basis (the
+        reader applies ``k_basis`` to the queries and ``v_basis`` to the output)."""
         k = self._rows(self.keys, a, b)
         v = self._rows(self.values, a, b)
         D, Dv = self.features
         gk, gv = self.groups
+        dtype = self.dtype if dtype is None else dtype
         if self.k_codec is not None:
             ks = self._rows(self.k_scale, a, b) if self.k_scale is not None else None
-            k = self.k_codec.decode(k, ks, D, gk).to(self.dtype)
+            k = self.k_codec.decode_as(k, ks, D, gk, dtype)
         if self.v_codec is not None:
             vs = self._rows(self.v_scale, a, b) if self.v_scale is not None else None
-            v = self.v_codec.decode(v, vs, Dv, gv).to(self.dtype)
+            v = self.v_codec.decode_as(v, vs, Dv, gv, dtype)
         return k, v
 
     def slot_index(self) -> Tensor | None:

@@ -97,6 +97,18 @@ class Codec:
         """Float32 ``[..., D]``: a bound on ``|x - x_hat|`` per element, from what is stored."""
         raise NotImplementedError
 
+    def decode_as(self, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype) -> Tensor:
+        """:meth:`decode` taken in ``dtype`` (the float32 values rounded once). On the CPU, blocks of
+        at least :data:`COMPILE_MIN` codes go through one compiled kernel (``torch.compile``: a
+        single pass reads the codes and scales and writes ``dtype``, where the eager ops make four
+        or more passes); the values are the same, the kernel only fuses the passes."""
+        if codes.device.type == "cpu" and codes.numel() >= COMPILE_MIN and not torch.compiler.is_compiling():
+            fn = _compiled(self, dim, group, dtype)
+            if fn is not None:
+                return fn(codes, scale)
+        x = self.decode(codes, scale, dim, group)
+        return x if x.dtype == dtype else x.to(dtype)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
@@ -195,6 +207,25 @@ class BF16Codec(Codec):
                     decoded: Tensor | None = None) -> Tensor:
         xh = self.decode(codes, None, dim, group) if decoded is None else decoded
         return torch.clamp(xh.abs() * 2.0**-8, min=2.0**-134)
+
+
+#: codes per block from which a CPU decode runs compiled (smaller blocks: eager ops, no compile)
+COMPILE_MIN = 1 << 18
+_COMPILED: dict[tuple, object] = {}
+
+
+def _compiled(codec: Codec, dim: int, group: int, dtype: torch.dtype):
+    """One compiled ``decode(...).to(dtype)`` per (codec, features, group, dtype), dynamic in the
+    rows (None where torch cannot compile here: the eager ops then run)."""
+    key = (codec.name, dim, group, dtype)
+    if key not in _COMPILED:
+        def decode(codes: Tensor, scale: Tensor | None) -> Tensor:
+            return codec.decode(codes, scale, dim, group).to(dtype)
+        try:
+            _COMPILED[key] = torch.compile(decode, dynamic=True, fullgraph=True)
+        except Exception:  # noqa: BLE001 - no compiler on this machine: decode eagerly
+            _COMPILED[key] = None
+    return _COMPILED[key]
 
 
 #: The storage formats, by name (iterate this; never a list of names elsewhere).

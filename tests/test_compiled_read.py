@@ -1,0 +1,37 @@
+"""The CPU read's compiled kernels (the decode of a code block, the rotation of a key block) give
+the same values as the eager ops they fuse: bit for bit, every codec of the registry."""
+
+import pytest
+import torch
+
+import streamkv.rotary as rotary
+import streamkv.stores.codecs as codecs
+from streamkv.rotary import Rope1D
+from streamkv.stores import KV_FORMATS
+
+
+@pytest.mark.parametrize("name", list(KV_FORMATS))
+def test_compiled_decode_equals_the_eager_ops(name, monkeypatch):
+    monkeypatch.setattr(codecs, "COMPILE_MIN", 0)  # compile at any size (the default starts at 2**18 codes)
+    codec = KV_FORMATS[name]
+    g = torch.Generator().manual_seed(len(name))
+    x = torch.randn(2, 3, 37, 16, generator=g) * 3
+    codes, scale = codec.encode(x, 8)
+    got = codec.decode_as(codes, scale, 16, 8, torch.bfloat16)
+    want = codec.decode(codes, scale, 16, 8).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert (name, 16, 8, torch.bfloat16) in {k[:4] for k in codecs._COMPILED if codecs._COMPILED[k] is not None}
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_compiled_rotation_equals_the_eager_ops(style, monkeypatch):
+    monkeypatch.setattr(rotary, "COMPILE_MIN", 0)
+    rot = Rope1D(16, style=style)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 3, 29, 16, generator=g).to(torch.bfloat16)
+    delta = torch.randint(-50, 50, (1, 29), generator=g)
+    cos, sin = rot.cos_sin(delta, delta, torch.float32)
+    got = rot.rotate_as(x, cos.unsqueeze(0), sin.unsqueeze(0))
+    want = rot.rotate(x.float(), cos.unsqueeze(0), sin.unsqueeze(0)).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert rotary._ROTATE.get(style) is not None
