@@ -78,6 +78,8 @@ class KVStorage:
             (``CacheSet`` passes views of one allocation).
         quant: quantised storage (:class:`~streamkv.quant.KVQuant`, a format name or None).
         sink: the layout's sinks (where ``quant`` keeps full-precision rows).
+        pages: the rows in pages shared copy-on-write with forks (:class:`~streamkv.stores.PageOptions`,
+            ``True`` or None).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class KVStorage:
         buffers: tuple[Tensor, Tensor] | None = None,
         quant: object = None,
         sink: int = 0,
+        pages: object = None,
     ) -> None:
         k_shape, v_shape = check_shape("k_shape", k_shape), check_shape("v_shape", v_shape)
         if len(k_shape) != len(v_shape) or k_shape[:-1] != v_shape[:-1]:
@@ -132,7 +135,7 @@ class KVStorage:
         self.device = device
         self.store: Store = make_store(dims, quant=quant, num_layers=num_layers, dtype=dtype, device=device,
                                        sink=check_int("sink", sink, 0), capacity=capacity, per_head=self.per_head,
-                                       buffers=buffers)
+                                       buffers=buffers, pages=pages)
         L, H = num_layers, self.heads
         # positions per (layer, head, slot): one plan for all when shared (and no per-head recall)
         lp, hp = (L, H) if (self.per_head or recall_slots) else (1, 1)
@@ -272,6 +275,18 @@ class KVStorage:
         if t.layout != torch.strided or t.device.type == "meta" or t.untyped_storage().data_ptr() not in self._own_ptrs:
             return False
         return any(_overlap(t, b) for b in self._own)
+
+    def fork(self) -> KVStorage:
+        """A branch's storage: the store's pages shared (copy on write), the slot metadata copied."""
+        out = object.__new__(KVStorage)
+        out.__dict__.update(self.__dict__)
+        out.store = self.store.fork()
+        out.positions, out.plan = self.positions.clone(), self.plan.clone()
+        out.where = WritePlan(out.plan, self.per_head, self.where.start, self.where.ranges)
+        out.recall_owner = None
+        out._own = [t for t in (*out.store.tensors().values(), out.positions, out.plan) if t.device.type != "meta"]
+        out._own_ptrs = {t.untyped_storage().data_ptr() for t in out._own}
+        return out
 
     # ----------------------------------------------------------------- writes
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:

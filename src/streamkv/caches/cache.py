@@ -32,7 +32,9 @@ from ..layout import CacheLayout
 from ..policies import SlotPolicy, Step, make_policy
 from ..rope_at_read import RopeAtRead
 from ..storage import KVStorage
+from ..stores import as_pages
 from ..validate import check_int
+from .branches import Branches
 from .checks import InputChecks
 from .lifecycle import Lifecycle
 from .layer import LayerView
@@ -98,6 +100,7 @@ class KVCache:
         buffers: tuple[Tensor, Tensor] | None = None,
         quant: Any = None,
         rope_at_read: Any = None,
+        pages: Any = None,
         **policy_params: Any,
     ) -> None:
         if policy is None:
@@ -109,18 +112,22 @@ class KVCache:
         layout = CacheLayout(sink=sink, window=window, chunk=chunk)
         pol = make_policy(policy, **policy_params)
         pol.check_layout(layout)
-        self.layout = layout
-        self.policy = pol
-        self.storage = st = KVStorage(
+        opts = as_pages(pages)
+        st = KVStorage(
             k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
             num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
-            buffers=buffers, quant=quant, sink=layout.sink,
+            buffers=buffers, quant=quant, sink=layout.sink, pages=opts,
         )
         if rope_at_read is not None:
             if not isinstance(rope_at_read, RopeAtRead):
                 raise TypeError(f"rope_at_read must be a streamkv RopeAtRead or None, got {type(rope_at_read).__name__}")
             rope_at_read.bind(sink=layout.sink, capacity=st.slots, per_head=pol.per_head or bool(st.recall_slots),
                               head_dim_size=st.k_shape[-1], device=st.device)
+        self._assemble(layout, pol, st, rope_at_read, opts.history if opts is not None else 0)
+
+    def _assemble(self, layout: CacheLayout, pol: SlotPolicy, st: KVStorage, rope_at_read: Any, history: int) -> None:
+        """The parts around a built storage (a new cache, or a branch of one)."""
+        self.layout, self.policy, self.storage = layout, pol, st
         self.rope_at_read = rope_at_read
         self.lifecycle = Lifecycle(layout, st.device)
         pol.bind(st, layout, self.lifecycle)
@@ -133,6 +140,7 @@ class KVCache:
         self.reads = Reads(st, layout, self.lifecycle, pol, self.checks, rope_at_read, extra=self._observers.segments,
                            adds=lambda: self._observers.add_segments)
         self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
+        self.branches = Branches(self, history)
 
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: the policy's declared read-only properties
@@ -215,10 +223,13 @@ class KVCache:
     def _prepare_begin(self, start: int, n: int, advance: bool) -> Step:
         plan = self.policy.begin(start, n, advance)
         chunk_idx = start // self.layout.chunk
+        own = self.storage.store.prepare_writes(plan.writes, f"begin of positions [{start}, {start + n})")
         change = Change(self, "begin", chunk_idx, (start, n), advance, self._observers.eviction(chunk_idx, "begin", plan))
         actions = self._observers.prepare(change)
 
         def apply() -> None:
+            if own is not None:  # a forked cache: the span's pages become its own first (copy on write)
+                own()
             plan.apply()
             self.storage.begin(start, n)  # the store's own begin work (a quantised store's full-precision rows)
             self.lifecycle.begin(start, n)
@@ -329,6 +340,7 @@ class KVCache:
             self.storage.commit(start, n)  # the store's own commit work (a quantised store encodes once, here)
             plan.apply()
             self.lifecycle.close()
+            self.branches.after_commit()
 
         return Step(apply, then=(lambda: self._observers.tell(change, actions),))
 
@@ -350,10 +362,14 @@ class KVCache:
     def prepare_reset(self) -> Step:
         """Check and let the observers veto :meth:`reset`; nothing changes until the step runs."""
         self.checks.mutable("reset")
+        own = self.storage.store.prepare_writes("all", "a reset")
         change = Change(self, "reset")
         actions = self._observers.prepare(change)
 
         def apply() -> None:
+            if own is not None:
+                own()
+            self.branches.forget()
             self.storage.zero_()
             self.policy.reset()
             self.lifecycle.reset()
@@ -509,9 +525,52 @@ class KVCache:
     def prepare_load(self, state: dict[str, Any]) -> Step:
         """Validate ``state`` and let the observers veto the load; nothing changes until the step runs."""
         counters = self.states.validate(state)
+        own = self.storage.store.prepare_writes("all", "a state-dict load")
         change = Change(self, "load", state=state)
         actions = self._observers.prepare(change)
-        return Step(lambda: self.states.load(state, counters), then=(lambda: self._observers.tell(change, actions),))
+
+        def apply() -> None:
+            if own is not None:
+                own()
+            self.branches.forget()
+            self.states.load(state, counters)
+
+        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+
+    # ================================================================ branches
+    def fork(self, n: int = 1) -> list[KVCache]:
+        """``n`` branches that continue the stream as it stands: each shares every page of this cache
+        (built with ``pages=``) and writes its own from its first write there (copy on write, a page
+        at a time); this cache stays usable. Costs metadata copies, not K/V bytes. Refused (nothing
+        changes) with a span open, with observers, or without pages; see :mod:`.branches`."""
+        return self.branches.fork(n)
+
+    def rewind(self, chunk_idx: int) -> None:
+        """Return the stream to the boundary before chunk ``chunk_idx`` (one of :attr:`rewind_chunks`,
+        kept by ``pages={'history': k}``), exactly as it was then; an open span is dropped."""
+        self.branches.rewind(chunk_idx)
+
+    @property
+    def rewind_chunks(self) -> list[int]:
+        """The chunks :meth:`rewind` can return to."""
+        return self.branches.chunks()
+
+    def release(self) -> None:
+        """Give this cache's pages (and kept boundaries) back to the pool its branches share; every
+        later call on it is refused."""
+        self.branches.release()
+        self.checks.released = True
+
+    def export_stream(self, path: str | None = None) -> bytes | None:
+        """The stream as bytes (or written to ``path``): every slot's K/V in slot order and the
+        metadata, with a SHA-256 of its contents; :meth:`import_stream` continues it exactly in
+        another cache (another process), of the same configuration."""
+        return self.branches.export(path)
+
+    def import_stream(self, source: bytes | str) -> None:
+        """Continue a stream :meth:`export_stream` wrote (bytes or a path): the checksum and every
+        check of :meth:`load_state_dict` first (kind, layout, shapes, format, keys raw or rotated)."""
+        self.branches.import_(source)
 
     # ================================================================ handles, report
     def layer(self, layer: int) -> LayerView:

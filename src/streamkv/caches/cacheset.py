@@ -144,6 +144,49 @@ class CacheSet:
             raise ValueError(f"state dict must have branches {sorted(self.branches)}, got {got}")
         _run_all([self[name].prepare_load(state[name]) for name in self.branches])
 
+    # ------------------------------------------------------------ branches
+    def fork(self, n: int = 1) -> list[CacheSet]:
+        """``n`` sets continuing the stream as it stands, each branch (``cond``, ``uncond``, ...)
+        forked (:meth:`~streamkv.caches.KVCache.fork`): pages shared copy-on-write. All or nothing:
+        every branch is checked before any forks."""
+        caches = [self._caches[b] for b in self.branches]
+        for cache in caches:  # every refusal before any fork
+            cache.branches.check_fork(n)
+        forked = [cache.fork(n) for cache in caches]
+        return [self._with({b: forked[j][i] for j, b in enumerate(self.branches)}) for i in range(n)]
+
+    def _with(self, caches: dict[str, KVCache]) -> CacheSet:
+        out = object.__new__(CacheSet)
+        out.spec, out.branches, out.num_layers, out.kind = self.spec, self.branches, self.num_layers, self.kind
+        out._k = out._v = None
+        out._caches = caches
+        return out
+
+    def rewind(self, chunk_idx: int) -> None:
+        """``rewind`` every branch (all checked first)."""
+        for cache in self._caches.values():
+            cache.branches.check_rewind(chunk_idx)
+        for cache in self._caches.values():
+            cache.rewind(chunk_idx)
+
+    def release(self) -> None:
+        """Give every branch's pages back."""
+        for cache in self._caches.values():
+            cache.release()
+
+    def export_stream(self, path: str | None = None) -> bytes | None:
+        """Every branch's stream in one blob (or file); see :meth:`~streamkv.caches.KVCache.export_stream`."""
+        from .branches import export_streams
+
+        return export_streams({b: c for b, c in self._caches.items()}, path)
+
+    def import_stream(self, source: bytes | str) -> None:
+        """Continue an exported set: every branch checked (checksums, configurations) before any loads."""
+        from .branches import read_streams
+
+        states = read_streams(source, list(self.branches), self[self.branches[0]].device)
+        self.load_state_dict(states)
+
     def __repr__(self) -> str:
         return f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers})"
 

@@ -26,6 +26,7 @@ class InputChecks:
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy) -> None:
         self.storage, self.layout, self.lifecycle, self.policy = storage, layout, lifecycle, policy
+        self.released = False  # the cache gave its pages back (Branches.release): every call is refused
         # torch lets inference tensors change only in inference mode
         self.inference_buffers = any(t.is_inference() for t in (*storage.store.tensors().values(), storage.positions))
 
@@ -37,6 +38,7 @@ class InputChecks:
     def mutable(self, what: str) -> None:
         if torch.compiler.is_compiling():
             return  # a compiled step was traced after the same checks ran eagerly
+        self.alive(what)
         if self.inference_buffers and not torch.is_inference_mode_enabled():
             raise RuntimeError(
                 f"{what}: this cache was built under torch.inference_mode(), so its buffers are inference tensors "
@@ -55,7 +57,13 @@ class InputChecks:
         if not self.lifecycle.is_open:
             raise RuntimeError(f"{what} with nothing open: call begin_chunk(chunk_idx) or begin_tokens(n) first")
 
+    def alive(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: this cache was released (its pages went back to the pool); use another branch")
+
     def layer(self, layer: int | None) -> int:
+        if not torch.compiler.is_compiling():
+            self.alive("a layer call")
         L = self.storage.num_layers
         if layer is None:
             if L != 1:

@@ -40,6 +40,7 @@ class CacheSpec:
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     quant: Any = None  # quantised storage (streamkv.quant.KVQuant or a format name)
+    pages: Any = None  # rows in pages shared copy-on-write by forks (True or streamkv.stores.PageOptions)
     rope_at_read: Any = None  # a streamkv.rope_at_read.RopeAtRead: raw keys, rotated by a position map at read
 
     def __post_init__(self) -> None:

@@ -73,7 +73,10 @@ class StateDicts:
     def load(self, state: dict[str, Any], counters: tuple[int, int, bool]) -> None:
         """Copy a validated ``state`` in (``counters`` from :meth:`validate`); cannot fail."""
         end, span, is_open = counters
-        for name, t in self._tensors().items():
+        st = self.storage
+        st.store.load_state(state)
+        meta = {"slot_positions": st.positions, "write_slots": st.plan, **self.policy.state()}
+        for name, t in meta.items():
             t.copy_(state[name])
         self.lifecycle.restore(end, span, is_open)
         self.policy.after_load(end, span)

@@ -39,13 +39,16 @@ class Step:
     those slots as host ints where every layer and head loses the same ones and the policy
     knows them without a device read (window policies), ``info`` what the policy says about
     the eviction (scored policies: ``overflow`` bool ``[L, H]``, ``dropped_mass_bound``
-    float64 ``[L, H]``)."""
+    float64 ``[L, H]``); ``writes`` the slots the span's K/V will be written to (or moved to)."""
 
     apply: Callable[[], None] = _nothing
     evicted: Callable[[], Tensor] | None = None
     evicted_slots: tuple[int, ...] | None = None
     info: dict[str, Tensor] | None = None
     then: tuple[Callable[[], None], ...] = ()
+    #: the slots the step's writes touch, for a paged store's copy on write: host ``(first slot,
+    #: rows)`` ranges, or a device tensor of slots (a begin: the span's, and a roll's), or None
+    writes: object = None
 
     def run(self) -> None:
         """``apply()``, then every ``then`` (an exception there comes after the change stood)."""

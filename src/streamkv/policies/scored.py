@@ -193,23 +193,28 @@ class ScoredPolicy(SlotPolicy):
         st, S = self.storage, self.layout.sink
         n_sink = max(0, min(S - start, n))
         n_win = n - n_sink
+        pos = self._arange_c[:n] + start  # [n]
+        plan = st.plan[..., :n]
+        if advance:  # the lowest free window slots of every (layer, head); sink rows pinned (planned
+            # into a new tensor: a begin that is refused touches no tensor of the cache)
+            plan = plan.clone()
+            if n_sink:
+                plan[..., :n_sink] = pos[:n_sink]
+            if n_win:
+                win = st.positions[..., S : st.capacity]  # [L, H, W]
+                w = win.shape[-1]
+                key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
+                plan[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
 
-        def apply() -> None:  # planned here: a begin that is refused touches no tensor
-            pos = self._arange_c[:n] + start  # [n]
-            plan = st.plan[..., :n]
-            if advance:  # the lowest free window slots of every (layer, head); sink rows pinned
-                if n_sink:
-                    plan[..., :n_sink] = pos[:n_sink]
-                if n_win:
-                    win = st.positions[..., S : st.capacity]  # [L, H, W]
-                    w = win.shape[-1]
-                    key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
-                    plan[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
+        def apply() -> None:
+            if advance:
+                st.plan[..., :n].copy_(plan)
             # a reopened span keeps its slots (re-marked in case it was evicted: protect_newest=False)
-            st.positions.scatter_(-1, plan, pos.expand_as(plan))
-            self.on_new(plan)
+            target = st.plan[..., :n]
+            st.positions.scatter_(-1, target, pos.expand_as(target))
+            self.on_new(target)
 
-        return Step(apply)
+        return Step(apply, writes=plan)
 
     # ------------------------------------------------------------------- commit
     def commit(self, start: int, n: int) -> Step:

@@ -146,8 +146,8 @@ class Ring(_Window):
             at += m
 
     def begin(self, start: int, n: int, advance: bool) -> Step:
-        if not advance:
-            return Step()  # the span's slots and positions are in place (and so are its ranges)
+        if not advance:  # the span's slots and positions are in place (and so are its ranges)
+            return Step(writes=self.storage.eager_ranges)
         storage = self.storage
         full = n == self.layout.chunk
 
@@ -164,8 +164,9 @@ class Ring(_Window):
         # wrap at most once (n <= chunk <= window); two ranges, no per-row host loop
         L = self.layout
         first, end = max(start, L.sink + L.window), start + n
+        writes = self._span_ranges(start, n)
         if first >= end:
-            return Step(apply, None, ())
+            return Step(apply, None, (), writes=writes)
         a, top = L.ring_slot(first), L.sink + L.window
         b = a + (end - first)
 
@@ -178,7 +179,7 @@ class Ring(_Window):
             mask[..., L.sink : L.sink + max(0, b - top)] = True
             return mask
 
-        return _LazySlotsStep(apply, evicted, slots)
+        return _LazySlotsStep(apply, evicted, slots, writes=writes)
 
     def reset(self) -> None:
         self.storage.eager_ranges = None  # nothing is open; the next begin plans chunk 0
@@ -216,7 +217,7 @@ class Chronological(_Window):
 
     def begin(self, start: int, n: int, advance: bool) -> Step:
         if not advance:
-            return Step()
+            return Step(writes=((self.storage.write_start, n),))
         L, storage = self.layout, self.storage
         end = start  # positions before this span
         new_end = end + n
@@ -234,7 +235,9 @@ class Chronological(_Window):
             mask[..., L.sink : L.sink + shift] = True  # the oldest window positions
             return mask
 
-        return Step(apply, evicted if shift > 0 else None, tuple(range(L.sink, L.sink + shift)))
+        # the roll reads the window before it overwrites it: its pages are copied, never taken blind
+        writes = (((L.sink, L.window, False),) if shift > 0 and keep > 0 else ()) + ((first, n),)
+        return Step(apply, evicted if shift > 0 else None, tuple(range(L.sink, L.sink + shift)), writes=writes)
 
     def _place(self, first_slot: int, first_position: int, n: int) -> None:
         storage = self.storage

@@ -24,6 +24,7 @@ slots the policy ranks.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from .codecs import Codec
 from .dims import Dims
+from .pages import PageTable
 
 __all__ = ["Segment", "Store", "WritePlan"]
 
@@ -164,8 +166,101 @@ class Store(abc.ABC):
     #: the store can live in preallocated dense ``(K, V)`` buffers (a cache set's one allocation)
     takes_buffers: bool = False
 
+    #: the page table when the store's rows live in pages (:mod:`~streamkv.stores.pages`), else None
+    table: PageTable | None = None
+    #: the first slot the paged rows hold (a quantised store's codes start after its full-precision sinks)
+    row_offset: int = 0
+
     def __init__(self, dims: Dims, *, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
         self.dims, self.num_layers, self.dtype, self.device = dims, num_layers, dtype, device
+
+    # ------------------------------------------------------------------ pages
+    def paged(self) -> list[Tensor]:
+        """The tensors whose token dim (``dims.seq + 1``) holds the paged rows."""
+        return []
+
+    def rows_of(self, slots: Tensor) -> Tensor:
+        """Buffer rows of ``slots`` (device; through the page table when paged)."""
+        rows = slots - self.row_offset if self.row_offset else slots
+        return rows if self.table is None else self.table.rows(rows)
+
+    def row_ranges(self, a: int, n: int) -> list[tuple[int, int]]:
+        """Buffer rows of slots ``[a, a + n)`` (all paged rows) as ``(first row, rows)`` runs (host)."""
+        a -= self.row_offset
+        return [(a, n)] if self.table is None else self.table.ranges(a, n)
+
+    def prepare_writes(self, writes: object, why: str) -> Callable[[], None] | None:
+        """Copy on write: before slots are written (``writes``: host ``(first slot, rows)`` ranges -- a
+        third element False when the rows are read before they are overwritten, as a roll does --, a
+        device tensor of slots, or ``"all"``), the pages holding them that another cache of the family
+        also references must become this store's own. Plans that (reserving free pages; raises when
+        there are too few) and returns the step that makes it so, or None when nothing is shared.
+        A device tensor of slots is read back once (only while pages are shared)."""
+        table = self.table
+        if table is None or not table.shares:
+            return None
+        P, off, n_rows = table.page, self.row_offset, len(table.host) * table.page
+        if isinstance(writes, str):
+            pages = whole = range(len(table.host))
+        elif isinstance(writes, Tensor):
+            rows = writes.reshape(-1) - off
+            pages, whole = torch.unique(torch.div(rows[rows >= 0], P, rounding_mode="floor")).tolist(), ()
+        else:  # (first slot, rows[, overwritten without being read first: default True])
+            pages, whole, read = set(), set(), set()
+            for a, m, *blind in writes:
+                lo, hi = max(a - off, 0), min(a - off + m, n_rows)
+                for p in range(lo // P, -(-hi // P)) if hi > lo else ():
+                    pages.add(p)
+                    if blind and not blind[0]:
+                        read.add(p)
+                    elif lo <= p * P and (p + 1) * P <= hi:
+                        whole.add(p)
+            whole -= read
+        cow = table.plan_private(pages, whole, why)
+        if cow is None:
+            return None
+        seq = self.dims.seq + 1
+
+        def apply() -> None:
+            moves = cow()
+            for t in self.paged():
+                for old, new, copy in moves:
+                    if copy:
+                        t.narrow(seq, new * P, P).copy_(t.narrow(seq, old * P, P))
+            table.pool.drop(old for old, _, _ in moves)
+
+        return apply
+
+    def fork(self) -> Store:
+        """A store of a branch: the same pages (its own table), its own copy of what is not paged."""
+        raise ValueError(f"{self!r} is not paged: a cache forks only with pages (build it with pages=True)")
+
+    def release(self) -> None:
+        """Give the pages back (the store is unusable afterwards)."""
+        if self.table is not None:
+            self.table.release()
+
+    def private(self) -> dict[str, Tensor]:
+        """What the store holds besides its pages (a branch's own: a quantised store's full-precision rows)."""
+        return {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """This moment's pages (referenced until :meth:`drop_snapshot`) and a copy of :meth:`private`."""
+        self.table.pool.share(self.table.host)
+        return {"pages": list(self.table.host), "private": {k: t.clone() for k, t in self.private().items()}}
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Back to a :meth:`snapshot` (which stays valid)."""
+        t = self.table
+        t.pool.share(snap["pages"])
+        t.pool.drop(t.host)
+        t.host = list(snap["pages"])
+        t.dev.copy_(torch.tensor(t.host, dtype=torch.long))
+        for k, x in self.private().items():
+            x.copy_(snap["private"][k])
+
+    def drop_snapshot(self, snap: dict[str, Any]) -> None:
+        self.table.pool.drop(snap["pages"])
 
     # ------------------------------------------------------------------ what it holds
     @abc.abstractmethod
@@ -182,8 +277,14 @@ class Store(abc.ABC):
         return {}
 
     def state(self) -> dict[str, Tensor]:
-        """The tensors a state dict saves (by name)."""
+        """The tensors a state dict saves (by name): every slot in slot order, whether paged or not
+        (a state loads into a paged or an unpaged store alike)."""
         return self.tensors()
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        """Copy a validated state's tensors (the names and shapes of :meth:`state`) in."""
+        for name, t in self.state().items():
+            t.copy_(state[name])
 
     def check_state(self, state: dict[str, Any], positions: Tensor, end: int, span: int, is_open: bool) -> None:
         """Raise ``ValueError`` unless ``state`` (a whole cache state dict, shapes and dtypes already

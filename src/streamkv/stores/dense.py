@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .base import Segment, Store, WritePlan
 from .dims import Dims
+from .pages import PageTable
 
 __all__ = ["DenseStore"]
 
@@ -56,10 +57,12 @@ class DenseStore(Store):
     eager_slices: bool = True
 
     def __init__(self, dims: Dims, *, num_layers: int, dtype: torch.dtype, device: torch.device,
-                 buffers: tuple[Tensor, Tensor] | None = None) -> None:
+                 buffers: tuple[Tensor, Tensor] | None = None, table: PageTable | None = None) -> None:
         super().__init__(dims, num_layers=num_layers, dtype=dtype, device=device)
-        full_k = (num_layers, *dims.shape("k", dims.slots))
-        full_v = (num_layers, *dims.shape("v", dims.slots))
+        self.table = table
+        rows = dims.slots if table is None else table.pool.capacity * table.page
+        full_k = (num_layers, *dims.shape("k", rows))
+        full_v = (num_layers, *dims.shape("v", rows))
         if buffers is None:
             self.keys = torch.zeros(full_k, dtype=dtype, device=device)
             self.values = torch.zeros(full_v, dtype=dtype, device=device)
@@ -71,6 +74,38 @@ class DenseStore(Store):
 
     def tensors(self) -> dict[str, Tensor]:
         return {"keys": self.keys, "values": self.values}
+
+    def paged(self) -> list[Tensor]:
+        return [self.keys, self.values]
+
+    def fork(self) -> DenseStore:
+        if self.table is None:
+            return super().fork()
+        return DenseStore(self.dims, num_layers=self.num_layers, dtype=self.dtype, device=self.device,
+                          buffers=(self.keys, self.values), table=self.table.fork())
+
+    def state(self) -> dict[str, Tensor]:
+        if self.table is None:
+            return self.tensors()
+        return {"keys": self._logical(self.keys), "values": self._logical(self.values)}
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        if self.table is None:
+            return super().load_state(state)
+        seq = self.dims.seq + 1
+        for name, buf in (("keys", self.keys), ("values", self.values)):
+            at = 0
+            for a, m in self.row_ranges(0, self.dims.slots):
+                buf.narrow(seq, a, m).copy_(state[name].narrow(seq, at, m))
+                at += m
+
+    def _logical(self, buf: Tensor) -> Tensor:
+        """Every layer's slots in slot order (a copy; the buffer itself unpaged)."""
+        seq = self.dims.seq + 1
+        runs = self.row_ranges(0, self.dims.slots)
+        if len(runs) == 1:
+            return buf.narrow(seq, runs[0][0], runs[0][1])
+        return torch.cat([buf.narrow(seq, a, m) for a, m in runs], dim=seq)
 
     def _layer(self, layer: int) -> tuple[Tensor, Tensor]:
         """One layer's K and V (views): kept once for eager calls (a ``select`` per call was a third
@@ -85,12 +120,10 @@ class DenseStore(Store):
         d = self.dims
         n = k.shape[d.seq]
         keys, values = self._layer(layer)
-        if where.start is not None:
-            keys.narrow(d.seq, where.start, n).copy_(k)
-            values.narrow(d.seq, where.start, n).copy_(v)
-            return
-        ranges = self._host_ranges(where, n, k)
+        ranges = ((where.start, n),) if where.start is not None else self._host_ranges(where, n, k)
         if ranges is not None:
+            if self.table is not None:
+                ranges = tuple(r for a, m in ranges for r in self.row_ranges(a, m))
             at = 0
             for a, m in ranges:
                 src_k = k if len(ranges) == 1 else k.narrow(d.seq, at, m)
@@ -103,6 +136,8 @@ class DenseStore(Store):
             slots = where.plan[layer if where.per_head else 0, 0]
             if n != d.chunk:
                 slots = slots[:n]
+            if self.table is not None:
+                slots = self.rows_of(slots)
             if torch.compiler.is_compiling() and self._write_traced(layer, k, v, slots):
                 return
             # the int64 view helps the eager CPU kernel; a compiled step generates its own
@@ -116,6 +151,8 @@ class DenseStore(Store):
                     buf.index_copy_(d.seq, slots, x)
             return
         plan = where.plan[layer] if n == d.chunk else where.plan[layer, :, :n]
+        if self.table is not None:
+            plan = self.rows_of(plan)
         if torch.compiler.is_compiling() and self._write_traced_per_head(layer, k, v, plan):
             return
         idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
@@ -160,7 +197,7 @@ class DenseStore(Store):
         flats = self._flat_buffers()
         if flats is None:
             return False
-        lead, S = math.prod(d.k_shape[: d.seq]), d.slots
+        lead, S = math.prod(d.k_shape[: d.seq]), self.keys.shape[d.seq + 1]
         idx = slots if lead == 1 else (torch.arange(lead, device=slots.device)[:, None] * S + slots).reshape(-1)
         idx = idx + layer * lead * S
         for flat, x in zip(flats, (k, v)):
@@ -179,7 +216,7 @@ class DenseStore(Store):
         if flats is None:
             return False
         lead_shape = d.k_shape[:seq]
-        lead, S, n, H = math.prod(lead_shape), d.slots, plan.shape[-1], d.heads
+        lead, S, n, H = math.prod(lead_shape), self.keys.shape[d.seq + 1], plan.shape[-1], d.heads
         base = torch.arange(lead, device=plan.device) * S + layer * lead * S
         if head < seq:  # [..., H, ..., n]: one flat index per (leading coordinates, row)
             shape = [1] * (seq + 1)
@@ -199,22 +236,39 @@ class DenseStore(Store):
     # ------------------------------------------------------------------ reads
     def segments(self, layer: int, positions: Tensor) -> list[Segment]:
         d = self.dims
-        keys, values = self._layer(layer)
-        return [Segment(n=d.slots, positions=positions, keys=d.attention(keys), values=d.attention(values),
-                        features=d.features, dtype=self.dtype)]
+        keys, values = (d.attention(t) for t in self._layer(layer))
+        table = self.table
+        if table is None or (table.identity and not torch.compiler.is_compiling()):
+            if table is not None:  # an unforked paged cache: its rows are the first slots of the pool
+                keys, values = keys.narrow(-2, 0, d.slots), values.narrow(-2, 0, d.slots)
+            return [Segment(n=d.slots, positions=positions, keys=keys, values=values, features=d.features,
+                            dtype=self.dtype)]
+        host = None if torch.compiler.is_compiling() else tuple(table.host)
+        return [Segment(n=d.slots, positions=positions, keys=keys, values=values, features=d.features,
+                        dtype=self.dtype, pages=table.dev, page=table.page, host_pages=host)]
 
     def buffers(self) -> tuple[Tensor, Tensor]:
         return self.keys, self.values
 
     def stored(self, layer: int, which: str) -> Tensor:
-        return self._layer(layer)[0 if which == "k" else 1]
+        buf = self._layer(layer)[0 if which == "k" else 1]
+        if self.table is None:
+            return buf
+        runs = self.row_ranges(0, self.dims.slots)
+        if len(runs) == 1:
+            return buf.narrow(self.dims.seq, runs[0][0], runs[0][1])
+        return self.gather(layer, which, torch.arange(self.dims.slots, device=self.device))
 
     def gather(self, layer: int, which: str, slots: Tensor) -> Tensor:
         buf = self._layer(layer)[0 if which == "k" else 1]
+        if self.table is not None:
+            slots = self.rows_of(slots)
         return buf.index_select(self.dims.seq, slots)
 
     def head_view(self, which: str, layer: int | None = None) -> Tensor:
         d = self.dims
+        if self.table is not None:
+            return super().head_view(which, layer)
         buf = self.keys if which == "k" else self.values
         rest = [1 + i for i in range(d.rank - 1) if i not in (d.seq, d.head)]
         head = [1 + d.head] if d.head is not None else []
@@ -229,25 +283,37 @@ class DenseStore(Store):
         d = self.dims
         keys, values = self._layer_kv[layer]
         kd, vd = d.rows(keys), d.rows(values)
+        slots = self.rows_of(slots)
         kd[slots, head] = k.reshape(len(slots), *kd.shape[2:])
         vd[slots, head] = v.reshape(len(slots), *vd.shape[2:])
 
     def clear_recall(self, layer: int, head: int, slots: Tensor) -> None:
         d = self.dims
         keys, values = self._layer_kv[layer]
+        slots = self.rows_of(slots)
         d.rows(keys)[slots, head] = 0
         d.rows(values)[slots, head] = 0
 
     def shift(self, dst: int, src: int, n: int) -> None:
         seq = self.dims.seq + 1
         # every temporary first: an allocation failure (out of memory) leaves everything as it was
-        moved = [buf.narrow(seq, src, n).clone() for buf in (self.keys, self.values)]
-        for buf, m in zip((self.keys, self.values), moved):
-            buf.narrow(seq, dst, n).copy_(m)
+        moved = [torch.cat([buf.narrow(seq, a, m) for a, m in self.row_ranges(src, n)], seq)
+                 for buf in (self.keys, self.values)]
+        for buf, mv in zip((self.keys, self.values), moved):
+            at = 0
+            for a, m in self.row_ranges(dst, n):
+                buf.narrow(seq, a, m).copy_(mv.narrow(seq, at, m))
+                at += m
 
     def zero_(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
+        if self.table is None:
+            self.keys.zero_()
+            self.values.zero_()
+            return
+        seq = self.dims.seq + 1
+        for buf in (self.keys, self.values):
+            for a, m in self.row_ranges(0, self.dims.slots):
+                buf.narrow(seq, a, m).zero_()
 
     def __repr__(self) -> str:
         return f"DenseStore({str(self.dtype).replace('torch.', '')}, bytes={self.nbytes})"

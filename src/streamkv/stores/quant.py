@@ -23,6 +23,9 @@ slots and releases the hot rows of the positions that leave the residual.
 A read is two segments: the codes of slots ``[c0, S)`` (a hot slot hidden there) and the hot
 rows with the positions of the slots that read them. Nothing is decoded into a dense copy of the
 history: the reader decodes a block at a time, or in registers.
+
+Why one module: the codes, the hot rows and the map between them are one piece of state; every
+method reads or changes all three together.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch import Tensor
 from .base import Segment, Store, WritePlan
 from .codecs import KVQuant, hadamard
 from .dims import Dims
+from .pages import PageTable
 
 __all__ = ["QuantStore"]
 
@@ -45,8 +49,9 @@ class QuantStore(Store):
     exact = False
 
     def __init__(self, dims: Dims, quant: KVQuant, *, num_layers: int, dtype: torch.dtype, device: torch.device,
-                 sink: int, capacity: int, per_head: bool) -> None:
+                 sink: int, capacity: int, per_head: bool, table: PageTable | None = None) -> None:
         super().__init__(dims, num_layers=num_layers, dtype=dtype, device=device)
+        self.table = table
         D, Dv = dims.features
         quant.check(D, Dv)
         self.quant = quant
@@ -57,7 +62,8 @@ class QuantStore(Store):
         self.ring = quant.residual + dims.chunk
         self.rows = self.c0 + self.ring
         L, S, H = num_layers, dims.slots, dims.heads
-        n_codes = S - self.c0
+        self.row_offset = self.c0
+        n_codes = S - self.c0 if table is None else table.pool.capacity * table.page
 
         def buf(which: str, last: int, n: int, dt: torch.dtype) -> Tensor:
             return torch.zeros((L, *dims.shape(which, n, last)), dtype=dt, device=device)
@@ -95,8 +101,49 @@ class QuantStore(Store):
             out["v_scale"] = self.v_scale
         return out
 
+    def paged(self) -> list[Tensor]:
+        return [t for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale) if t is not None]
+
+    def private(self) -> dict[str, Tensor]:
+        return {"hot_k": self.hot_k, "hot_v": self.hot_v, "hot_row": self.hot_row, "hot_plan": self.hot_plan}
+
+    def fork(self) -> QuantStore:
+        if self.table is None:
+            return super().fork()
+        out = object.__new__(QuantStore)
+        out.__dict__.update(self.__dict__)
+        out.table = self.table.fork()
+        for name, t in self.private().items():  # the branch's own full-precision rows
+            setattr(out, name, t.clone())
+        return out
+
     def state(self) -> dict[str, Tensor]:
-        return {f"quant_{k}": t for k, t in self.tensors().items()}
+        out = {f"quant_{k}": t for k, t in self.tensors().items()}
+        if self.table is not None:
+            for t in self.paged():
+                name = next(k for k, v in out.items() if v is t)
+                out[name] = self._logical(t)
+        return out
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        if self.table is None:
+            return super().load_state(state)
+        seq = self.dims.seq + 1
+        for name, t in {f"quant_{k}": v for k, v in self.tensors().items()}.items():
+            if not any(t is p for p in self.paged()):
+                t.copy_(state[name])
+                continue
+            at = 0
+            for a, m in self.row_ranges(self.c0, self.dims.slots - self.c0):
+                t.narrow(seq, a, m).copy_(state[name].narrow(seq, at, m))
+                at += m
+
+    def _logical(self, t: Tensor) -> Tensor:
+        seq = self.dims.seq + 1
+        runs = self.row_ranges(self.c0, self.dims.slots - self.c0)
+        if len(runs) == 1:
+            return t.narrow(seq, runs[0][0], runs[0][1])
+        return torch.cat([t.narrow(seq, a, m) for a, m in runs], dim=seq)
 
     def config(self) -> dict[str, Any]:
         return {"quant": self.quant.config()}
@@ -172,7 +219,7 @@ class QuantStore(Store):
     def _quantise_rows(self, rows: Tensor, slots: Tensor, per_head: bool) -> None:
         """Hot ``rows [m]`` of every layer -> codes at ``slots [L|1, H|1, m]``."""
         d, s = self.dims, self.dims.seq + 1
-        idx = slots - self.c0
+        idx = self.rows_of(slots)
         for which in ("k", "v"):
             hot = self.hot_k if which == "k" else self.hot_v
             codes, scale = self._encode(which, hot.index_select(s, rows))  # [L, *shape(m), W]
@@ -221,13 +268,21 @@ class QuantStore(Store):
                        values=d.attention(self.hot_v[layer]), features=d.features, dtype=self.dtype,
                        slots=hot_slot[:, :NH])]
         if d.slots > c0:
+            table, n = self.table, d.slots - c0
+            kc, vc = d.attention(self.k_codes[layer]), d.attention(self.v_codes[layer])
+            ks = None if self.k_scale is None else d.attention(self.k_scale[layer])
+            vs = None if self.v_scale is None else d.attention(self.v_scale[layer])
+            pages = {}
+            if table is not None and table.identity and not torch.compiler.is_compiling():
+                kc, vc = kc.narrow(-2, 0, n), vc.narrow(-2, 0, n)
+                ks, vs = (None if x is None else x.narrow(-2, 0, n) for x in (ks, vs))
+            elif table is not None:
+                pages = {"pages": table.dev, "page": table.page,
+                         "host_pages": None if torch.compiler.is_compiling() else tuple(table.host)}
             out.append(Segment(
-                n=d.slots - c0, positions=code_pos, keys=d.attention(self.k_codes[layer]),
-                values=d.attention(self.v_codes[layer]), features=d.features, dtype=self.acc,
-                k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
-                k_scale=None if self.k_scale is None else d.attention(self.k_scale[layer]),
-                v_scale=None if self.v_scale is None else d.attention(self.v_scale[layer]),
-                k_basis=self.rk, v_basis=self.rv, slots=c0))
+                n=n, positions=code_pos, keys=kc, values=vc, features=d.features, dtype=self.acc,
+                k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv), k_scale=ks, v_scale=vs,
+                k_basis=self.rk, v_basis=self.rv, slots=c0, **pages))
         return out
 
     def _decode(self, which: str, codes: Tensor, scale: Tensor | None) -> Tensor:
@@ -259,7 +314,7 @@ class QuantStore(Store):
         codes = (self.k_codes if which == "k" else self.v_codes)[layer]
         scale = self.k_scale if which == "k" else self.v_scale
         hot = (self.hot_k if which == "k" else self.hot_v)[layer]
-        ci = (slots - self.c0).clamp(min=0)
+        ci = self.rows_of(slots.clamp(min=self.c0))  # sink slots read their hot rows (below)
         x = self._decode(which, codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci))
         idx = self.hot_row_of(layer).index_select(-1, slots)
         if self.c0:  # sink slots: always their hot rows
@@ -274,7 +329,7 @@ class QuantStore(Store):
         fmt, g, dim = (self.kf, self.gk, d.features[0]) if which == "k" else (self.vf, self.gv, d.features[1])
         codes = (self.k_codes if which == "k" else self.v_codes)[layer]
         scale = self.k_scale if which == "k" else self.v_scale
-        ci = (slots - self.c0).clamp(min=0)
+        ci = self.rows_of(slots.clamp(min=self.c0))
         e = fmt.error_bound(codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci),
                             dim, g)
         hot = (self.hot_row_of(layer).index_select(-1, slots) >= 0) | (slots.view(1, -1) < self.c0)  # [H|1, n]
@@ -296,16 +351,19 @@ class QuantStore(Store):
         if src < self.c0 or dst < self.c0:
             raise ValueError(f"shift of slots [{src}, {src + n}) -> [{dst}, ...) touches the full-precision sinks")
         s = self.dims.seq + 1
-        bufs = [t for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale) if t is not None]
-        moved = [t.narrow(s, src - self.c0, n).clone() for t in bufs]
+        bufs = self.paged()
+        moved = [torch.cat([t.narrow(s, a, m) for a, m in self.row_ranges(src, n)], s) for t in bufs]
         hr = self.hot_row.narrow(-1, src, n).clone()
-        for t, m in zip(bufs, moved):
-            t.narrow(s, dst - self.c0, n).copy_(m)
+        for t, mv in zip(bufs, moved):
+            at = 0
+            for a, m in self.row_ranges(dst, n):
+                t.narrow(s, a, m).copy_(mv.narrow(s, at, m))
+                at += m
         self.hot_row.narrow(-1, dst, n).copy_(hr)
 
     def write_recall(self, layer: int, head: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         d = self.dims
-        ci = slots - self.c0
+        ci = self.rows_of(slots)
         for which, x in (("k", k), ("v", v)):
             codes, scale = self._encode(which, x)
             cbuf, sbuf = (self.k_codes, self.k_scale) if which == "k" else (self.v_codes, self.v_scale)
@@ -318,15 +376,22 @@ class QuantStore(Store):
 
     def clear_recall(self, layer: int, head: int, slots: Tensor) -> None:
         d = self.dims
-        ci = slots - self.c0
+        ci = self.rows_of(slots)
         for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale):
             if t is not None:
                 d.rows(t[layer])[ci, head] = 0
 
     def zero_(self) -> None:
+        s = self.dims.seq + 1
+        runs = self.row_ranges(self.c0, self.dims.slots - self.c0)
         for t in self.tensors().values():
-            if t is not self.hot_row and t is not self.hot_plan:
+            if t is self.hot_row or t is self.hot_plan:
+                continue
+            if self.table is None or not any(t is p for p in self.paged()):
                 t.zero_()
+            else:  # only this cache's pages
+                for a, m in runs:
+                    t.narrow(s, a, m).zero_()
         self.hot_row.fill_(-1)
         self.hot_plan.zero_()
         self._sinks_hot()

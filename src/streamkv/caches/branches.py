@@ -1,0 +1,233 @@
+"""Branches of a stream: fork, rewind, release, and a stream moved between processes.
+
+A cache built with ``pages=`` (:mod:`streamkv.stores.pages`) keeps its rows in pages that its
+branches share copy-on-write:
+
+- :meth:`Branches.fork` makes ``n`` caches that continue the stream as it stands (at a chunk
+  boundary: an open span is refused): each shares every page, and copies only its metadata (slot
+  positions, write plan, the policy's statistics, a quantised store's full-precision rows). From
+  then on each writes its own pages (a page at a time, when it first writes there). Refused, with
+  the reason, for a cache with observers (a certifier's summaries, a tier's entries are not forked).
+- ``history=k`` keeps the last ``k`` chunk boundaries (their page tables and metadata: the pages
+  stay referenced); :meth:`Branches.rewind` returns the stream to one of them exactly.
+- :meth:`Branches.release` gives a branch's pages back; the branch refuses every call afterwards.
+- :meth:`Branches.export` / :meth:`Branches.import_` move a stream as bytes (or a file): the state
+  dict of every slot in slot order, with a SHA-256 of its tensors, loaded by ``load_state_dict``
+  (so a stream from another layout, kind, format or map is refused by the same checks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..policies import make_policy
+from ..validate import check_int
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+
+__all__ = ["Branches", "STREAM_FORMAT"]
+
+#: the format tag of an exported stream
+STREAM_FORMAT = "streamkv-stream/1"
+
+
+@dataclass
+class _Boundary:
+    """A chunk boundary a cache can rewind to: counters, metadata copies, the store's snapshot."""
+
+    end: int
+    span: int
+    positions: Tensor
+    plan: Tensor
+    where: tuple[int | None, tuple | None]
+    policy: dict[str, Tensor]
+    store: dict[str, Any]
+
+
+class Branches:
+    """Fork, rewind, release, export and import for one cache (see the module docstring)."""
+
+    def __init__(self, cache: KVCache, history: int) -> None:
+        self.cache, self.history = cache, history
+        self.boundaries: list[_Boundary] = []
+        self.released = False
+
+    # ------------------------------------------------------------------ checks
+    def check_alive(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: this cache was released (its pages were given back); use another branch")
+
+    def _check_branchable(self, what: str) -> None:
+        c = self.cache
+        self.check_alive(what)
+        c.checks.mutable(what)
+        if c.storage.store.table is None:
+            raise ValueError(f"{what}: this {c.name} cache is not paged; build it with pages=True (its rows then live "
+                             f"in pages that branches share copy-on-write)")
+        if c.observers:
+            names = sorted({type(o).__name__ for o in c.observers})
+            raise ValueError(f"{what}: this cache has observers ({', '.join(names)}), whose state (recorded evictions, "
+                             f"certificates, a tier's entries) a branch would not have; remove them first")
+
+    # ------------------------------------------------------------------ fork
+    def check_fork(self, n: int) -> int:
+        """Raise as :meth:`fork` would; else the count."""
+        c = self.cache
+        n = check_int("n", n, 1)
+        self._check_branchable(f"fork({n})")
+        if c.is_open:
+            raise ValueError(f"fork({n}) with {c.lifecycle.open_name()} open: branches start at a chunk boundary "
+                             f"(the open span's rows are not history yet); call {c.lifecycle.commit_call()} first")
+        return n
+
+    def fork(self, n: int) -> list[KVCache]:
+        return [self._branch() for _ in range(self.check_fork(n))]
+
+    def _branch(self) -> KVCache:
+        c = self.cache
+        out = object.__new__(type(c))
+        pol = make_policy(c.policy)
+        out._assemble(c.layout, pol, c.storage.fork(), c.rope_at_read, self.history)
+        for name, t in pol.state().items():
+            t.copy_(c.policy.state()[name])
+        lc = c.lifecycle
+        out.lifecycle.restore(lc.end, lc.span, False)
+        return out
+
+    # ------------------------------------------------------------------ history
+    def after_commit(self) -> None:
+        """Keep the boundary the commit reached (``history`` of them)."""
+        if not self.history:
+            return
+        c, st = self.cache, self.cache.storage
+        self.boundaries.append(_Boundary(
+            c.lifecycle.end, c.lifecycle.span, st.positions.clone(), st.plan.clone(), (st.where.start, st.where.ranges),
+            {k: t.clone() for k, t in c.policy.state().items()}, st.store.snapshot()))
+        while len(self.boundaries) > self.history:
+            st.store.drop_snapshot(self.boundaries.pop(0).store)
+
+    def chunks(self) -> list[int]:
+        """The chunk indices :meth:`rewind` can return to (the boundary before each)."""
+        C = self.cache.layout.chunk
+        return [b.end // C for b in self.boundaries if b.end % C == 0]
+
+    def check_rewind(self, chunk_idx: int) -> int:
+        """Raise as :meth:`rewind` would; else the index of the boundary."""
+        c = self.cache
+        chunk_idx = check_int("chunk_idx", chunk_idx, 0)
+        self._check_branchable(f"rewind({chunk_idx})")
+        end = chunk_idx * c.layout.chunk
+        keep = [i for i, b in enumerate(self.boundaries) if b.end == end]
+        if not keep:
+            raise ValueError(f"rewind({chunk_idx}): this cache keeps the boundaries before chunks {self.chunks()} "
+                             f"(pages={{'history': {self.history}}} keeps the last {self.history}); the stream cannot "
+                             f"return to position {end}")
+        return keep[-1]
+
+    def rewind(self, chunk_idx: int) -> None:
+        c, st = self.cache, self.cache.storage
+        i = self.check_rewind(chunk_idx)
+        b = self.boundaries[i]
+        st.store.restore(b.store)
+        st.positions.copy_(b.positions)
+        st.plan.copy_(b.plan)
+        st.where.start, st.where.ranges = b.where
+        for k, t in c.policy.state().items():
+            t.copy_(b.policy[k])
+        c.policy.after_load(b.end, b.span)
+        c.lifecycle.restore(b.end, b.span, False)
+        for later in self.boundaries[i + 1:]:
+            st.store.drop_snapshot(later.store)
+        del self.boundaries[i + 1:]
+
+    def forget(self) -> None:
+        """Drop every kept boundary (a reset or a load starts a new history)."""
+        for b in self.boundaries:
+            self.cache.storage.store.drop_snapshot(b.store)
+        self.boundaries = []
+
+    def release(self) -> None:
+        self.check_alive("release()")
+        self.forget()
+        self.cache.storage.store.release()
+        self.released = True
+
+    # ------------------------------------------------------------------ moving streams
+    def export(self, path: str | os.PathLike | None = None) -> bytes | None:
+        self.check_alive("export_stream()")
+        return export_streams({"": self.cache}, path)
+
+    def import_(self, source: bytes | str | os.PathLike) -> None:
+        self.check_alive("import_stream()")
+        self.cache.load_state_dict(read_streams(source, [""], self.cache.device)[""])
+
+
+def export_streams(caches: dict[str, KVCache], path: str | os.PathLike | None) -> bytes | None:
+    """The streams of ``caches`` (by name) as one blob, each state with its SHA-256; to ``path`` if given."""
+    states = {name: c.state_dict() for name, c in caches.items()}
+    blob = _pack({"format": STREAM_FORMAT, "streams": {n: {"sha256": _digest(s), "state": s} for n, s in states.items()}})
+    if path is None:
+        return blob
+    with open(path, "wb") as f:
+        f.write(blob)
+    return None
+
+
+def read_streams(source: bytes | str | os.PathLike, names: list[str], device: torch.device) -> dict[str, dict]:
+    """The states of an exported blob (bytes or a path), every checksum checked; ``names`` must be its streams."""
+    if isinstance(source, (bytes, bytearray)):
+        blob = bytes(source)
+    elif isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            blob = f.read()
+    else:
+        raise TypeError(f"import_stream takes bytes or a file path, got {type(source).__name__}")
+    try:
+        payload = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable payload is refused with the reason
+        raise ValueError(f"not a streamkv stream (unreadable: {type(exc).__name__}: {exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != STREAM_FORMAT:
+        got = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"not a streamkv stream: format {got!r}, this reads {STREAM_FORMAT!r}")
+    streams = payload.get("streams")
+    if not isinstance(streams, dict) or sorted(streams) != sorted(names):
+        got = sorted(streams) if isinstance(streams, dict) else type(streams).__name__
+        raise ValueError(f"the stream holds branches {got}, this reads {sorted(names)}")
+    out = {}
+    for name in names:
+        entry = streams[name]
+        state = entry.get("state") if isinstance(entry, dict) else None
+        if not isinstance(state, dict) or entry.get("sha256") != _digest(state):
+            raise ValueError(f"the stream{f' of branch {name!r}' if name else ''}'s checksum does not match its "
+                             f"contents (corrupted or edited in transit)")
+        out[name] = state
+    return out
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a state dict: every entry by name, tensors by dtype, shape and bytes (on the host)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        v = state[name]
+        h.update(name.encode())
+        if isinstance(v, Tensor):
+            t = v.detach().to("cpu").clone()  # a storage of exactly its bytes
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(bytes(t.untyped_storage()))
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()

@@ -1,0 +1,228 @@
+"""Forks, rewinds, releases and streams moved between processes, against independent caches.
+
+Every branch of a random fork tree (rewinds and releases interleaved) must equal an unpaged cache
+fed the same history: the same attention outputs (float64), the same slots, the same stored K/V;
+released branches give every page back; the refusals change nothing."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from streamkv import CacheSet, KVCache
+from streamkv.attention import attend
+from streamkv.positions import POSITION_MAPS, position_map
+from streamkv.quant import KV_FORMATS
+from streamkv.rope_at_read import RopeAtRead
+from streamkv.rotary import Rope1D
+
+from kinds import KINDS, params
+
+SINK, WINDOW, CHUNK, H, D = 2, 10, 2, 2, 4
+f64 = torch.float64
+
+
+def _build(kind, *, quant=None, pages=None, rope=None):
+    return KVCache((1, SINK + WINDOW, H, D), (1, SINK + WINDOW, H, D), seq_dim=1, sink=SINK, window=WINDOW,
+                   chunk=CHUNK, policy=kind, dtype=f64, quant=quant, pages=pages, rope_at_read=rope,
+                   **params(kind, **({"budget": SINK + WINDOW - CHUNK} if "budget" in params(kind) else {})))
+
+
+def _step(cache, data):
+    q, k, v = data
+    c = cache.next_chunk
+    cache.begin_chunk(c)
+    out, _ = attend(q, cache.layer(0).update(k, v, q))
+    cache.commit_chunk(c)
+    return out
+
+
+def _data(rng: random.Random):
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    return tuple(torch.randn(1, CHUNK, H, D, generator=g, dtype=f64) for _ in range(3))
+
+
+def _same(branch, ref):
+    assert torch.equal(branch.slot_positions, ref.slot_positions)
+    held = ref.slot_positions[0] >= 0  # [H, S]
+    for got, want in ((branch.keys(0), ref.keys(0)), (branch.values(0), ref.values(0))):
+        g, w = got.transpose(1, 2)[0], want.transpose(1, 2)[0]  # [H, S, D]
+        assert torch.equal(g[held], w[held])
+
+
+def _clone(ref, kind, quant, rope):
+    out = _build(kind, quant=quant, rope=rope)
+    out.load_state_dict(ref.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_random_fork_trees_equal_independent_caches(kind, quant):
+    rng = random.Random(f"{kind}-{quant}")
+    root = _build(kind, quant=quant, pages={"history": 3, "spare": 64})
+    ref = _build(kind, quant=quant)
+    live = [(root, ref, {})]  # (branch, reference, boundary -> reference state)
+    forks = rewinds = releases = 0
+    for step in range(40):
+        i = rng.randrange(len(live))
+        branch, ref, kept = live[i]
+        op = rng.random()
+        if op < 0.55 or branch.end < 2 * CHUNK:
+            data = _data(rng)
+            a, b = _step(branch, data), _step(ref, data)
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (step, (a - b).abs().max())
+            _same(branch, ref)
+            kept[branch.end] = ref.state_dict()  # the boundary this commit reached
+        elif op < 0.75 and len(live) < 12:
+            n = rng.randint(1, 3)
+            for new in branch.fork(n):
+                live.append((new, _clone(ref, kind, quant, None), {}))
+            forks += 1
+        elif op < 0.9 and branch.rewind_chunks:
+            c = rng.choice(branch.rewind_chunks)
+            branch.rewind(c)
+            ref.load_state_dict(kept[c * CHUNK])
+            _same(branch, ref)
+            rewinds += 1
+        elif len(live) > 1:
+            branch.release()
+            with pytest.raises(RuntimeError, match="released"):
+                branch.begin_chunk(branch.next_chunk)
+            live.pop(i)
+            releases += 1
+    assert forks and rewinds and releases
+    pool = root.storage.store.table.pool
+    for branch, _, _ in live:
+        branch.release()
+    assert pool.used == 0 and pool.reserved == 0  # every page back: nothing leaked
+
+
+@pytest.mark.parametrize("name", list(POSITION_MAPS))
+def test_forks_under_every_position_map(name):
+    """Raw keys rotated at read by each map: a branch reads as an independent cache does."""
+    def rope():
+        return RopeAtRead(Rope1D(D), position_map(name, **POSITION_MAPS[name].for_geometry(SINK, SINK + WINDOW, CHUNK)))
+    rng = random.Random(name)
+    root = _build("ring", pages=True, rope=rope())
+    ref = _build("ring", rope=rope())
+    for _ in range(4):
+        d = _data(rng)
+        _step(root, d), _step(ref, d)
+    (branch,) = root.fork()
+    other = _clone(ref, "ring", None, rope())
+    for _ in range(5):
+        d, e = _data(rng), _data(rng)
+        assert torch.allclose(_step(branch, d), _step(ref, d), rtol=0, atol=1e-12)
+        assert torch.allclose(_step(root, e), _step(other, e), rtol=0, atol=1e-12)
+
+
+def test_branches_share_pages_until_they_write():
+    """A fork costs no K/V bytes; each branch then takes one page per chunk it writes (a chunk of
+    the ring overwrites a page whole: taken without a copy)."""
+    root = _build("ring", pages={"spare": 16})
+    rng = random.Random(0)
+    for _ in range(8):
+        _step(root, _data(rng))
+    pool = root.storage.store.table.pool
+    own = pool.used
+    branches = root.fork(4)
+    assert pool.used == own
+    for b in branches:
+        _step(b, _data(rng))
+    assert pool.used == own + 4 * (CHUNK // pool.page)
+
+
+def test_refusals_change_nothing():
+    rng = random.Random(1)
+    plain = _build("ring")
+    _step(plain, _data(rng))
+    with pytest.raises(ValueError, match="not paged"):
+        plain.fork()
+    c = _build("ring", pages={"spare": 1})
+    _step(c, _data(rng))
+    c.begin_chunk(c.next_chunk)
+    with pytest.raises(ValueError, match="open"):
+        c.fork()
+    c.layer(0).update(*_data(rng)[1:])
+    c.commit_chunk(c.next_chunk - 1)
+    with pytest.raises(ValueError, match="rewind"):
+        c.rewind(0)
+    (b,) = c.fork()
+    _step(c, _data(rng))  # takes the one spare page (its next page was shared with the branch)
+    before = (c.state_dict(), c.storage.store.table.pool.used)
+    with pytest.raises(RuntimeError, match="free page"):
+        c.begin_chunk(c.next_chunk)  # needs a page for its own write, and none is free
+    after = c.state_dict()
+    assert c.storage.store.table.pool.used == before[1]
+    assert all(torch.equal(before[0][k], after[k]) if isinstance(after[k], torch.Tensor) else before[0][k] == after[k]
+               for k in after)
+    b.release()
+    _step(c, _data(rng))  # the released branch's pages are free again (and nothing is shared)
+
+
+def test_a_cache_set_forks_every_branch():
+    caches = CacheSet("ring", k_shape=(1, SINK + WINDOW, H, D), v_shape=(1, SINK + WINDOW, H, D), seq_dim=1,
+                      sink=SINK, window=WINDOW, chunk=CHUNK, branches=("cond", "uncond"), dtype=f64, pages=True)
+    rng = random.Random(2)
+    for c in range(3):
+        caches.begin_chunk(c)
+        for br in caches:
+            caches[br].layer(0).update(*_data(rng)[1:])
+        caches.commit_chunk(c)
+    a, b = caches.fork(2)
+    assert list(a) == ["cond", "uncond"] and a["cond"] is not caches["cond"]
+    assert torch.equal(a["uncond"].keys(0), caches["uncond"].keys(0))
+
+
+STREAM_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_fork import _build, _step, _data
+import random
+c = _build({kind!r}, quant={quant!r})
+c.import_stream({path!r})
+rng = random.Random(9)
+outs = [_step(c, _data(rng)) for _ in range(3)]
+torch.save(torch.stack(outs), {out!r})
+"""
+
+
+@pytest.mark.parametrize("kind,quant", [("ring", None), ("tova", "int4")])
+def test_a_stream_moves_to_another_process_exactly(kind, quant, tmp_path):
+    rng = random.Random(3)
+    c = _build(kind, quant=quant)
+    for _ in range(5):
+        _step(c, _data(rng))
+    path = tmp_path / "stream.skv"
+    c.export_stream(str(path))
+    rng = random.Random(9)
+    want = torch.stack([_step(c, _data(rng)) for _ in range(3)])  # never stopped
+    out = tmp_path / "outs.pt"
+    script = STREAM_SCRIPT.format(tests=str(__import__("pathlib").Path(__file__).parent), kind=kind, quant=quant,
+                                  path=str(path), out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert torch.equal(torch.load(out), want)
+
+
+def test_an_edited_or_mismatched_stream_is_refused():
+    rng = random.Random(4)
+    c = _build("ring")
+    _step(c, _data(rng))
+    blob = bytearray(c.export_stream())
+    other = _build("ring")
+    before = other.state_dict()
+    idx = len(blob) // 2
+    blob[idx] ^= 0xFF
+    with pytest.raises(ValueError, match="checksum|not a streamkv stream"):
+        other.import_stream(bytes(blob))
+    with pytest.raises(ValueError, match="quant|format|must be"):
+        _build("ring", quant=next(iter(KV_FORMATS))).import_stream(c.export_stream())
+    with pytest.raises(ValueError, match="kind|policy"):
+        _build("tova").import_stream(c.export_stream())
+    after = other.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in after if isinstance(after[k], torch.Tensor))
