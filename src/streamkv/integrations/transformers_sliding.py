@@ -57,6 +57,7 @@ from ..caches import CACHE_KINDS, KVCache, KVRead
 from ..rope_at_read import RopeAtRead
 from ..rotary import Rope1D
 from .transformers_cache import check_attention_kwargs
+from .transformers_checks import GenerateChecks
 
 __all__ = ["ATTN_IMPLEMENTATION", "WindowedStreamKVCache", "build_windowed_cache", "layer_groups",
            "stream_generate", "windowed_attention", "windowed_mask"]
@@ -134,7 +135,7 @@ class _Layer(CacheLayerMixin):
         self.owner.reset()
 
 
-class WindowedStreamKVCache(Cache):
+class WindowedStreamKVCache(GenerateChecks, Cache):
     """A transformers ``Cache`` over one streamkv cache per layer group (see the module docstring).
 
     Args:
@@ -165,6 +166,9 @@ class WindowedStreamKVCache(Cache):
     @property
     def _any(self) -> KVCache:
         return next(iter(self.groups.values()))
+
+    def _cache_batch(self) -> int:
+        return self._any.k_shape[0]
 
     def _advance(self, n: int, position_ids: Tensor | None) -> None:
         if not 1 <= n <= self.chunk:
