@@ -20,6 +20,7 @@ from .mass import MassBudget
 from .scored import FixedBudget, ScoredPolicy, Scores
 from .tova import TOVA
 from .window import Chronological, Ring
+from .scratch import Scratch
 
 __all__ = [
     "SlotPolicy", "Step", "ScoredPolicy", "FixedBudget", "Scores", "Ring", "Chronological", "MassBudget", "H2O",
@@ -28,7 +29,7 @@ __all__ = [
 
 #: Policy classes by the name configs, the CLI and state dicts use: the one list of kinds.
 POLICIES: dict[str, type[SlotPolicy]] = {
-    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff)
+    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff, Scratch)
 }
 
 
