@@ -166,9 +166,6 @@ class StreamKVCache(GenerateChecks, Cache):
     def num_layers(self) -> int:
         return self.kv.num_layers
 
-    def _cache_batch(self) -> int:
-        return self.kv.k_shape[0]
-
     @property
     def eager_only(self) -> bool:
         """The cache has observers (they run on the host) or is token-major: ``torch.compile``

@@ -200,9 +200,6 @@ class GenerateChecks:
       would turn into a different computation.
     """
 
-    def _cache_batch(self) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
-
     @property
     def _is_user_defined(self) -> bool:
         return self.__dict__.get("_user_defined", False)
@@ -225,7 +222,8 @@ class GenerateChecks:
                 f"{name} does not support beam search (generate(num_beams={beams})): it holds one stream per batch "
                 f"row, and beams reorder rows after every step (reorder_cache), which evicted tokens cannot follow; "
                 f"use greedy decoding or sampling (num_beams=1)")
-        batch = self._cache_batch()
+
+        batch = self.layers[0].keys.shape[0]  # every layer's buffer is [batch, ...]
         if ids.shape[0] != batch:
             returns = getattr(cfg, "num_return_sequences", 1) or 1
             raise ValueError(

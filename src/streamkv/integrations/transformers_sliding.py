@@ -167,9 +167,6 @@ class WindowedStreamKVCache(GenerateChecks, Cache):
     def _any(self) -> KVCache:
         return next(iter(self.groups.values()))
 
-    def _cache_batch(self) -> int:
-        return self._any.k_shape[0]
-
     def _advance(self, n: int, position_ids: Tensor | None) -> None:
         if not 1 <= n <= self.chunk:
             raise ValueError(f"a forward holds 1 to chunk={self.chunk} tokens, got {n}: prefill in chunks of at most "
