@@ -303,8 +303,6 @@ POSITION_MAPS: dict[str, MapKind] = {m.name: m for m in (
     MapKind("deep_sink", "sink unit i at i + max(0, q0 - first_evict); window and chunk absolute",
             "Deep Forcing, arXiv 2512.05081 s4.2 (authors' causal_model_DS.py, commit ea9961a)",
             False, _deep_sink, _ref_deep_sink, {"first_evict": None}, {}, lambda s, c, f: {"first_evict": c}),
-    MapKind("scratch_map", "a copy of sliding_sinks (throwaway)", "none",
-            True, _sliding_sinks, _ref_sliding_sinks, {}, {}, lambda s, c, f: {}),
     MapKind("custom", "a user function fn(inputs, units) -> rotation units, traceable (checked on meta tensors)",
             "yours", False, None, None, {"fn": None}, {}, lambda s, c, f: {"fn": _example_user_map},
             check=lambda p: _check_user_fn(p["fn"]), not_units=("fn",)),

@@ -20,7 +20,6 @@ from .mass import MassBudget
 from .scored import FixedBudget, ScoredPolicy, Scores
 from .tova import TOVA
 from .window import Chronological, Ring
-from .scratch import Scratch
 
 __all__ = [
     "SlotPolicy", "Step", "ScoredPolicy", "FixedBudget", "Scores", "Ring", "Chronological", "MassBudget", "H2O",
@@ -29,7 +28,7 @@ __all__ = [
 
 #: Policy classes by the name configs, the CLI and state dicts use: the one list of kinds.
 POLICIES: dict[str, type[SlotPolicy]] = {
-    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff, Scratch)
+    cls.name: cls for cls in (Ring, Chronological, MassBudget, H2O, TOVA, KNorm, KeyDiff)
 }
 
 
