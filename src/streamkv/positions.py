@@ -370,7 +370,7 @@ def position_map(kind: str | PositionMap, **params: Any) -> PositionMap:
         raise ValueError(f"position map {kind!r} needs {missing}")
     dynamic = {k: params.get(k, d) for k, d in mk.dynamic.items()}
     check_params(mk, {**static, **dynamic})
-    if kind == "custom":
+    if mk.fn is None:  # the user's own function (checked by the entry's check)
         user = static["fn"]
         return PositionMap(mk, lambda inp, u, p: user(inp, u), static, dynamic)
     return PositionMap(mk, mk.fn, static, dynamic)

@@ -1,7 +1,10 @@
 """The input checks of a :class:`~streamkv.integrations.transformers_cache.StreamKVCache`: what
 transformers hands the cache (attention kwargs, K/V, position ids, the model's config) is checked
 here, before layer 0 commits the previous span or writes anything, so that a refused forward
-changes nothing. No state of its own except the per-thread mask-sizes token (``_ASKED``)."""
+changes nothing; and what a ``generate()`` call asks that the cache cannot do (:class:`GenerateChecks`:
+beam search, a batch it was not built for, an input that does not extend the held stream), checked
+when ``generate()`` marks the cache, before its first forward. No state of its own except the
+per-thread mask-sizes token (``_ASKED``)."""
 
 from __future__ import annotations
 
@@ -222,7 +225,6 @@ class GenerateChecks:
                 f"{name} does not support beam search (generate(num_beams={beams})): it holds one stream per batch "
                 f"row, and beams reorder rows after every step (reorder_cache), which evicted tokens cannot follow; "
                 f"use greedy decoding or sampling (num_beams=1)")
-
         batch = self.layers[0].keys.shape[0]  # every layer's buffer is [batch, ...]
         if ids.shape[0] != batch:
             returns = getattr(cfg, "num_return_sequences", 1) or 1
