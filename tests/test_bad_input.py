@@ -180,7 +180,13 @@ def test_bad_construction(kind, kwargs, exc, match):
     "kind,kwargs,match",
     [
         ("mass", dict(tau=1.5), r"tau must be in the open interval \(0, 1\), got 1.5"),
-        ("mass", dict(), "missing 1 required positional argument: 'tau'"),
+        ("mass", dict(), r"policy 'mass' \(MassBudget\) needs tau \(the dropped-mass budget per eviction, in \(0, 1\)\), "
+                         r"e.g. tau=0.2"),
+        ("ring", dict(storage="ring"), r"policy 'ring' \(Ring\) takes no parameters, got \['storage'\]: a cache hands "
+                                       r"every keyword it does not take itself to its policy; a cache takes \['k_shape', "
+                                       r"'v_shape', 'seq_dim', 'sink', 'window', 'chunk', 'policy'"),
+        ("tova", dict(tau=0.1), r"policy 'tova' \(TOVA\) takes \['budget', 'score_block'\], got \['tau'\].*rope_at_read"),
+        ("tova", dict(budget=2.0), "TOVA: budget must be an int, got float 2.0"),  # the policy's own type check
         ("mass", dict(tau=0.1, window=5), r"window \(5\) must hold the newest chunk and the next chunk: >= 6"),
         ("h2o", dict(budget=S + C - 1), r"budget must hold .* 5 <= budget <= 6, got 4"),
         ("tova", dict(budget=99), "got 99"),
@@ -193,6 +199,37 @@ def test_bad_policy_parameters(kind, kwargs, match):
     cap = base["sink"] + base["window"]
     with pytest.raises((ValueError, TypeError), match=match):
         KVCache((1, cap, 2, 4), (1, cap, 2, 4), policy=kind, **base)
+
+
+def test_every_policy_parameter_error_names_what_the_policy_and_the_cache_take():
+    """Registry-wide: a keyword nobody takes is refused naming the policy's parameters (from its
+    constructor) and the cache's; each required parameter missing is named with its example."""
+    import inspect
+
+    for kind, cls in POLICIES.items():
+        with pytest.raises(TypeError, match=rf"policy '{kind}' .* got \['storage'\]: .*a cache takes .*'rope_at_read'"):
+            KVCache((1, CAP, 2, 4), (1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C, policy=kind, storage=1,
+                    **params(kind))
+        required = [p.name for p in inspect.signature(cls).parameters.values() if p.default is p.empty]
+        for name in required:
+            rest = {k: v for k, v in params(kind).items() if k != name}
+            with pytest.raises(TypeError, match=rf"policy '{kind}' .* needs {name}.*e.g. {name}="):
+                KVCache((1, CAP, 2, 4), (1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C, policy=kind, **rest)
+
+
+def test_cacheset_on_a_machine_without_cuda_says_so_like_a_cache(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shape = dict(k_shape=(1, CAP, 2, 4), v_shape=(1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C)
+    want = "device cuda was asked for, but this torch build or machine has no CUDA device"
+    with pytest.raises(RuntimeError, match=want):
+        KVCache(shape.pop("k_shape"), shape.pop("v_shape"), policy="ring", device="cuda", **shape)
+    for quant in (None, "int8"):
+        with pytest.raises(RuntimeError, match=want):
+            CacheSet("ring", k_shape=(1, CAP, 2, 4), v_shape=(1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C,
+                     device="cuda", quant=quant, branches=("cond", "uncond"))
+    with pytest.raises(ValueError, match="device 'nowhere' is not a torch device"):
+        CacheSet("ring", k_shape=(1, CAP, 2, 4), v_shape=(1, CAP, 2, 4), seq_dim=1, sink=S, window=W, chunk=C,
+                 device="nowhere")
 
 
 @pytest.mark.parametrize("kind", list(POLICIES))

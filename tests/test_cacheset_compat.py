@@ -99,8 +99,11 @@ def test_compat_write_end_refuses_after_the_first_eviction():
         fd.update(torch.zeros(1, C, H, D), torch.zeros(1, C, H, D))
         fd.after_update(c)
     fd.before_update(3)
-    with pytest.raises(RuntimeError, match=r"write_end is undefined on the ring after the first eviction: chunk 3 occupies slots \[3, 4, 5\]"):
+    with pytest.raises(RuntimeError, match=r"write_end is undefined on the ring after the first eviction: chunk 3 occupies slots \[3, 4, 5\]") as err:
         fd.write_end
+    # the fix it names is the drop-in's own (the README's), not the original class
+    assert "relative_rope_freqs=rope.shift_t(0), interleaved=True" in str(err.value)
+    assert "BlockKVCache" not in str(err.value)
 
 
 def test_compat_errors_are_exceptions_not_asserts():

@@ -12,6 +12,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from kinds import SCORED
 from streamkv import RingCache
 from streamkv.attention import attend
 from streamkv.lab.experiments.positions_check import (
@@ -57,9 +58,13 @@ def test_small_key_blocks_and_row_pieces_change_nothing(kind):
         assert res.max_abs_diff < FP64, res
 
 
-def test_scored_kinds_were_read_with_ragged_heads():
-    rows = [run_map_layout(lay) for lay in LAYOUTS if lay.map == "cache_relative" and lay.kind in ("mass", "h2o", "tova")]
-    assert all(r.ragged_reads > 0 for r in rows)
+@pytest.mark.parametrize("kind", SCORED)
+def test_scored_kinds_are_read_with_ragged_heads(kind):
+    """Every per-head kind, on a geometry of its own (not the registry-wide cycle of options, which
+    shifts as the registry grows): reads whose heads hold different positions, each exact."""
+    res = run_map_layout(MapLayout(map="cache_relative", kind=kind, sink=2, window=8, chunk=2, chunks=12, seed=5))
+    assert res.ragged_reads > 0 and res.comparisons >= 12, res
+    assert res.max_abs_diff < FP64, res
 
 
 def test_a_deliberately_wrong_map_is_caught():
@@ -168,6 +173,33 @@ def test_frame_rope_reindexes_the_frame_band_only():
     assert torch.allclose(fr.angles(frames, pos), rope3d.angles(pos), rtol=0, atol=1e-12)
 
 
+def test_frame_rope_says_how_to_build_wans_rope_from_diffusers_and_the_recipe_is_exact():
+    """``FrameRope(WanRotaryPosEmbed)`` is refused with a recipe (the grid is the transformer
+    input's, which the module does not keep); the recipe, evaluated as written, gives diffusers'
+    own tables (float32: within one float32 ulp at 1) at every frame, row and column."""
+    import re
+
+    wan = pytest.importorskip("diffusers.models.transformers.transformer_wan")
+    from streamkv.rope import Rope3D
+
+    for head_dim, patch, theta in ((12, (1, 2, 2), 10000.0), (20, (1, 1, 2), 500.0)):
+        module = wan.WanRotaryPosEmbed(head_dim, patch, 16, theta=theta)
+        with pytest.raises(TypeError, match="Rope3D") as err:
+            FrameRope(module)
+        recipe = re.search(r"`(FrameRope\(Rope3D\(.*?\)\))`", str(err.value)).group(1)
+        if theta != 10000.0:
+            assert "<the theta it was built with>" in recipe
+            recipe = recipe.replace("<the theta it was built with>", repr(theta))
+        frames, height, width = 5, 6, 4  # latent sizes: the transformer input's
+        fr = eval(recipe, {"FrameRope": FrameRope, "Rope3D": Rope3D, "latent_height": height, "latent_width": width})
+        cos, sin = module(torch.zeros(1, 1, frames, height, width))  # [1, tokens, 1, D], pairs repeated
+        pos = torch.arange(cos.shape[1])
+        ang = fr.angles(pos // fr.tokens_per_unit, pos)  # absolute frames
+        assert fr.tokens_per_unit == (height // patch[1]) * (width // patch[2])
+        for table, mine in ((cos, ang.cos()), (sin, ang.sin())):
+            assert (table[0, :, 0, ::2].double() - mine).abs().max() <= 2.0**-24
+
+
 # ---------------------------------------------------------------------- refusals
 def test_a_map_that_reads_values_on_the_host_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="not traceable.*meta"):
@@ -219,6 +251,166 @@ def test_one_rope_at_read_serves_one_geometry():
         RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=4, window=6, chunk=2, rope_at_read=rope)
 
 
+def test_a_map_sees_copies_of_the_positions_and_in_place_maps_are_refused():
+    """A map that writes into its input must not move what the cache holds: ``units += 3`` is
+    refused at construction (run on meta tensors), and a map that writes only later (past that
+    check) gets copies, so the cache's slot positions and the span's query positions stay."""
+    def add_in_place(inp, u):
+        u += 3
+        return u
+
+    with pytest.raises(ValueError, match=r"writes into \['units'\] in place.*read-only"):
+        position_map("custom", fn=add_in_place)
+    with pytest.raises(ValueError, match=r"writes into \['inputs.held'\]"):
+        position_map("custom", fn=lambda inp, u: inp.held.clamp_(min=0)[:, :3] * 0 + u)
+    calls = []
+
+    def later(inp, u):  # writes into its input from its second call on: the meta check cannot see it
+        calls.append(1)
+        if len(calls) > 1:
+            u += 3
+        return inp.rank(u) + 0
+
+    for sink in (2, 0):
+        calls.clear()
+        c = RingCache((1, 10, 1, 8), (1, 10, 1, 8), seq_dim=1, sink=sink, window=10 - sink, chunk=2,
+                      dtype=torch.float64, rope_at_read=RopeAtRead(Rope1D(8), position_map("custom", fn=later)))
+        for i in range(3):
+            c.begin_chunk(i)
+            q, k, v = (torch.randn(1, 2, 1, 8, dtype=torch.float64) for _ in range(3))
+            before = (c.slot_positions.clone(), c.layer(0).update(k, v).query_positions.clone())
+            attend(q, c.layer(0).read())
+            assert len(calls) > 1
+            assert torch.equal(c.slot_positions, before[0]) and torch.equal(c.layer(0).read().query_positions, before[1])
+            c.commit_chunk(i)
+        assert c.slot_positions[0, 0].tolist() == list(range(6)) + [-1] * 4
+
+
+def test_set_runs_the_constructions_checks_and_changes_nothing_when_refused():
+    end = position_map("block_relative", horizon=10, anchor="end")
+    with pytest.raises(ValueError, match="anchor='end' and a RoPE cut"):
+        position_map("block_relative", horizon=10, anchor="end", cut=3)
+    with pytest.raises(ValueError, match="anchor='end' and a RoPE cut"):
+        end.set(cut=3)  # the same rule as at construction
+    start = position_map("block_relative", horizon=10)
+    with pytest.raises(ValueError, match=r"cut must be an int >= -1 \(-1: off\) and < 2\*\*53"):
+        start.set(cut=2**63)  # not a raw int64 overflow inside torch
+    with pytest.raises(ValueError, match=r"< 2\*\*53"):
+        position_map("block_relative", horizon=10, cut=2**53)
+    with pytest.raises(TypeError, match="cut must be an int, got float"):
+        start.set(cut=3.0)
+    assert end.params()["cut"] == -1 and start.params()["cut"] == -1
+    start.set(cut=45)
+    assert start.params()["cut"] == 45
+    start.set(cut=-1)
+    end.set(cut=-1)  # off: allowed with anchor='end'
+
+
+def test_block_relative_refuses_spans_that_split_a_frame_where_its_horizon_is_too_short():
+    """Frames of 2 tokens, a ring of 10 slots (5 frames): with 3-token chunks the window can hold 6
+    frames, one more than horizon=5 places (a sink was rotated outside it). Refused at the first
+    read of a span that ends inside a frame, at the cache's construction for a chunk that does;
+    horizon=6 is exact."""
+    fr = FrameRope(Rope3D(12, 1, 2))
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="chunk=3 tokens is not a whole number.*holds up to 6 units.*horizon=5"):
+        RopeAtRead(fr, position_map("block_relative", horizon=5)).bind(
+            sink=2, capacity=10, per_head=False, head_dim_size=12, device=cpu, chunk=3)
+    RopeAtRead(fr, position_map("block_relative", horizon=5)).bind(
+        sink=2, capacity=10, per_head=False, head_dim_size=12, device=cpu, chunk=4)  # whole frames: fine
+    RopeAtRead(fr, position_map("block_relative", horizon=6)).bind(
+        sink=2, capacity=10, per_head=False, head_dim_size=12, device=cpu, chunk=3)  # room for the split frame
+    with pytest.raises(ValueError, match="chunk=3 tokens is not a whole number.*horizon=5"):  # the cache binds
+        RingCache((1, 10, 2, 12), (1, 10, 2, 12), seq_dim=1, sink=2, window=8, chunk=3, dtype=torch.float64,
+                  rope_at_read=RopeAtRead(fr, position_map("block_relative", horizon=5)))
+    c = RingCache((1, 10, 2, 12), (1, 10, 2, 12), seq_dim=1, sink=2, window=8, chunk=4, dtype=torch.float64,
+                  rope_at_read=RopeAtRead(fr, position_map("block_relative", horizon=5)))
+    c.begin_tokens(3)  # begin_tokens of part of a frame: refused at the read
+    q, k = (torch.randn(1, 3, 2, 12, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(ValueError, match=r"open span ends at position 3, inside a unit.*horizon=5"):
+        attend(q, c.layer(0).update(k, k))
+    lay = MapLayout(map="block_relative", kind="ring", rotary="frame", chunk=3, chunks=8, params=(("horizon", 6),))
+    res = run_map_layout(lay)
+    assert res.comparisons >= 8 and res.max_abs_diff < FP64, res
+
+
+def test_a_horizon_given_in_tokens_to_a_frame_map_is_refused():
+    """Horizons are in units (frames for FrameRope). 16 tokens per frame, a window cache of 80
+    tokens = 5 frames: horizon=160 (tokens) is refused saying so; a frame horizon is not."""
+    fr = FrameRope(Rope3D(12, 4, 4))
+    shape = (1, 80, 2, 12)
+
+    def ring(horizon, **kw):
+        return RingCache(shape, shape, seq_dim=1, sink=16, window=64, chunk=16,
+                         rope_at_read=RopeAtRead(fr, position_map("block_relative", horizon=horizon, **kw)))
+
+    for tokens in (160, 80):
+        with pytest.raises(ValueError, match=f"horizon={tokens}, and horizons are in units: here latent frames of 16"):
+            ring(tokens)
+    ring(21, anchor="end")  # a model's frame range (infinity-RoPE's F)
+    ring(5)
+    with pytest.raises(ValueError, match="horizon=4 units and this cache can hold 5"):
+        ring(4)
+
+
+def test_queries_of_another_row_count_than_the_open_span_are_refused():
+    c = RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=4, dtype=torch.float64,
+                  rope_at_read=RopeAtRead(Rope1D(8)))
+    c.begin_chunk(0)
+    q, k = (torch.randn(1, 4, 2, 8, dtype=torch.float64) for _ in range(2))
+    read = c.layer(0).update(k, k)
+    for rows in (1, 5):
+        qq = torch.randn(1, rows, 2, 8, dtype=torch.float64)
+        for order in ("physical", "chronological"):
+            with pytest.raises(ValueError, match=f"q has {rows} rows and the open span 4"):
+                attend(qq, read, order=order)
+    assert attend(q, read)[0].shape == (1, 4, 2, 8)
+
+
+def _streamed(rope, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, dtype=torch.float64,
+                  rope_at_read=rope)
+    for i in range(6):
+        c.begin_chunk(i)
+        k = torch.randn(1, 2, 2, 8, generator=g, dtype=torch.float64)
+        c.layer(0).update(k, k)
+        c.commit_chunk(i)
+    return c
+
+
+def test_a_state_dict_records_whether_its_keys_are_raw_and_what_rotates_them(tmp_path):
+    """Raw keys (rope_at_read) and keys as written mean different things: a state of one does not
+    load into the other (both directions), nor under another rotary or map; the same loads,
+    through torch.save / torch.load(weights_only=True) too."""
+    raw = _streamed(RopeAtRead(Rope1D(8), "cache_relative"))
+    written = _streamed(None)
+    with pytest.raises(ValueError, match=r"state dict key_rotation must be 'as written.*got 'raw"):
+        written.load_state_dict(raw.state_dict())
+    with pytest.raises(ValueError, match=r"state dict key_rotation must be 'raw.*got 'as written"):
+        raw.load_state_dict(written.state_dict())
+    for other in (RopeAtRead(Rope1D(8, theta=100.0), "cache_relative"),  # another frequency table
+                  RopeAtRead(Rope1D(8, style="interleaved"), "cache_relative"),
+                  RopeAtRead(Rope1D(8), "sliding_sinks"),
+                  RopeAtRead(Rope1D(8), position_map("block_relative", horizon=12))):
+        with pytest.raises(ValueError, match="state dict rope must be"):
+            _streamed(other).load_state_dict(raw.state_dict())
+    a = _streamed(RopeAtRead(Rope1D(8), position_map("block_relative", horizon=12)), seed=1)
+    b = _streamed(RopeAtRead(Rope1D(8), position_map("block_relative", horizon=12)), seed=2)
+    torch.save(a.state_dict(), tmp_path / "s.pt")
+    b.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert torch.equal(a.keys(0), b.keys(0)) and a.config() == b.config()
+    assert a.config()["rope"]["maps"] == (("block_relative", (("anchor", "start"), ("horizon", 12))),)
+    fr = RingCache((1, 8, 2, 12), (1, 8, 2, 12), seq_dim=1, sink=2, window=6, chunk=2,
+                   rope_at_read=RopeAtRead(FrameRope(Rope3D(12, 1, 2))))
+    assert fr.config()["rope"]["rotary"]["class"] == "FrameRope" and fr.config()["rope"]["rotary"]["bands"] == (4, 4, 4)
+
+
+def test_a_cache_tells_its_state_dicts_how_its_keys_are_stored():
+    c = RingCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, rope_at_read=RopeAtRead(Rope1D(8)))
+    assert c.states.rope_at_read is c.rope_at_read
+
+
 def test_reads_without_an_open_span_and_double_rotation_are_refused():
     c, read, q, rot = _stream_read("cache_relative")
     with pytest.raises(ValueError, match="rotate them twice"):
@@ -238,6 +430,8 @@ def test_rejected_map_changes_change_nothing():
         pm.set(cut=3, origin=2)
     with pytest.raises(ValueError, match="int >= -1"):
         pm.set(cut=-5)
+    with pytest.raises(ValueError, match="no dynamic parameter 'cutt'"):
+        pm.set(cutt=3)
     assert pm.params()["cut"] == -1
     rope.use("absolute")
     with pytest.raises(ValueError, match="holds the maps"):

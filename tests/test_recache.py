@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same_state, snapshot
+from kinds import params
 
 from streamkv import CACHE_KINDS
 from streamkv.attention import attend
@@ -17,11 +18,10 @@ from streamkv.rotary import Rope1D
 SINK, WINDOW, CHUNK, H, D = 2, 7, 3, 2, 8
 
 
-def _build(kind, raw=False):
-    kw = {"budget": SINK + WINDOW - CHUNK} if kind in ("h2o", "tova") else {"tau": 0.3} if kind == "mass" else {}
+def _build(kind, raw=False, **kw):
     rope = RopeAtRead(Rope1D(D), "cache_relative") if raw else None
     return CACHE_KINDS[kind]((1, SINK + WINDOW, H, D), (1, SINK + WINDOW, H, D), seq_dim=1, sink=SINK, window=WINDOW,
-                             chunk=CHUNK, num_layers=2, dtype=torch.float64, rope_at_read=rope, **kw)
+                             chunk=CHUNK, num_layers=2, dtype=torch.float64, rope_at_read=rope, **params(kind), **kw)
 
 
 def _stream(cache, ks, vs, qs):
@@ -120,3 +120,21 @@ def test_refusals_change_nothing():
     cache.add_eviction_listener(lambda e: None)
     with pytest.raises(RuntimeError, match="observers"):
         recache(cache, cache.end - 2, good, good, layer=0)
+
+
+def test_a_ring_with_recall_slots_refuses_evicted_positions_and_rewrites_held_ones():
+    """Recall slots make a window cache's slots per head, but what its window holds is still the
+    window: an evicted position that no recall slot holds is refused (it wrote nothing, silently),
+    a held one is rewritten in every head."""
+    cache = _build("ring", recall_slots=2)
+    _stream(cache, _history(6, 0), _history(6, 1), [t[0] for t in _history(6, 2)])
+    snap = snapshot(cache)
+    good = torch.randn(1, 2, H, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"positions \[2, 3\] are no longer held by this ring cache .* nor by any of "
+                                         r"its 2 recall slots per head"):
+        recache(cache, SINK, good, good, layer=0)
+    assert_same_state(snap, snapshot(cache))
+    start = cache.end - 2
+    assert recache(cache, start, good, good, layer=0) == 2 * H
+    slots = [cache.layer_slot_positions(0)[0].tolist().index(p) for p in (start, start + 1)]
+    assert torch.equal(cache.keys(0)[:, slots], good) and torch.equal(cache.values(0)[:, slots], good)

@@ -29,6 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from kinds import params
 from streamkv.integrations.transformers import KINDS, StreamKVCache, build_cache
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -101,7 +102,8 @@ def test_generate_equals_dynamic_cache_when_the_window_holds_everything(arch):
     assert 0 < rounding <= FP32_TOL
     for kind in KINDS:
         for prefill_chunk in (None, 4):  # one prefill forward of 10 tokens, or chunks of 4, 4, 2
-            cache = build_cache(ours.config, kind, sink=2, window=30, chunk=10, batch_size=2, **PARAMS.get(kind, {}))
+            cache = build_cache(ours.config, kind, sink=2, window=30, chunk=10, batch_size=2,
+                                **params(kind, **PARAMS.get(kind, {})))
             out = ours.generate(prompt, cache=cache, max_new_tokens=12, prefill_chunk_size=prefill_chunk, **GEN)
             assert torch.equal(out.sequences, ref.sequences), (kind, prefill_chunk)
             assert max_diff(out.logits, ref.logits) <= min(4 * rounding, FP32_TOL), (kind, prefill_chunk)
@@ -324,6 +326,64 @@ def test_beam_search_crop_and_batch_changes_are_refused():
                  lambda: cache.batch_select_indices(torch.tensor([0]))):
         with pytest.raises(RuntimeError, match="does not support"):
             call()
+
+
+def test_beam_search_and_a_batch_generate_does_not_run_are_refused_by_name_before_any_forward():
+    """generate(num_beams=2) expands the batch before the first forward: refused as beam search
+    (not as a batch mismatch) whatever batch the cache was built for, and num_return_sequences
+    names the batch size to build; nothing changes."""
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    prompt = torch.tensor([[5, 6, 7]])
+    for batch in (1, 2):
+        cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, batch_size=batch)
+        before = snapshot(cache)
+        with pytest.raises(RuntimeError, match=r"does not support beam search \(generate\(num_beams=2\)\)"):
+            ours.generate(prompt, cache=cache, num_beams=2, max_new_tokens=3, do_sample=False)
+        assert_same_state(before, snapshot(cache))
+    cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"generate\(\) runs 3 rows .*num_return_sequences=3.*build it with batch_size=3"):
+        ours.generate(prompt, cache=cache, num_return_sequences=3, do_sample=True, max_new_tokens=3)
+    assert_same_state(before, snapshot(cache))
+    wide = build_cache(ours.config, "ring", sink=2, window=8, chunk=4, batch_size=3)
+    out = ours.generate(prompt, cache=wide, num_return_sequences=3, do_sample=True, max_new_tokens=3)
+    assert out.shape == (3, 6)
+
+
+def test_a_second_generate_on_a_cache_that_holds_a_stream_says_reset_and_a_continuation_runs():
+    """transformers treats a cache given to generate() as holding the start of its input
+    (DynamicCache: it slices that many input tokens off). A second generate() on the same prompt
+    is refused before any forward, with or without prefill chunks, naming cache.reset(); after a
+    reset it gives the first call's tokens; a continuation (the previous output as input) runs
+    and equals one longer generate()."""
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    prompt = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(7))
+    kw = {"max_new_tokens": 5, "do_sample": False}
+    cache = build_cache(ours.config, "ring", sink=2, window=30, chunk=4)
+    first = ours.generate(prompt, cache=cache, prefill_chunk_size=4, **kw)
+    before = snapshot(cache)
+    for chunked in (4, None):
+        with pytest.raises(RuntimeError, match=r"input is 10 tokens and the StreamKVCache already holds a stream of 14 "
+                                               r"positions.*call cache.reset\(\) first"):
+            ours.generate(prompt, cache=cache, prefill_chunk_size=chunked, **kw)
+        assert_same_state(before, snapshot(cache))
+    more = ours.generate(first, cache=cache, prefill_chunk_size=4, **kw)  # a continuation
+    once = ours.generate(prompt, cache=build_cache(ours.config, "ring", sink=2, window=30, chunk=4),
+                         prefill_chunk_size=4, max_new_tokens=10, do_sample=False)
+    assert torch.equal(more, once)
+    cache.reset()
+    assert torch.equal(ours.generate(prompt, cache=cache, prefill_chunk_size=4, **kw), first)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"a forward at position 0 on a cache that holds a stream "
+                                                          r"starts another one: call cache.reset\(\) first"):
+        ours(input_ids=prompt[:, :4], position_ids=torch.arange(4).view(1, -1), cache=cache)
+
+
+def test_build_cache_without_a_model_config_is_a_type_error():
+    for config in (None, {"num_attention_heads": 2}):
+        with pytest.raises(TypeError, match="build_cache needs the model's config"):
+            build_cache(config, "ring", sink=2, window=8, chunk=4)
 
 
 def test_configs_and_sizes_the_cache_cannot_serve_are_refused():

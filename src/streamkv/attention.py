@@ -198,7 +198,7 @@ def _check(q: Tensor, read: KVRead, order: str, rope_mode: str, key_transform, a
                          f"then update, then attend)")
     if (causal or read.rope_at_read is not None) and rows != read.query_positions.numel():
         why = "causal=True" if causal else f"{read.name} rotates queries at their positions (rope_at_read)"
-        raise ValueError(f"{why}: q has {rows} rows, the open span {read.query_positions.numel()}: the queries are "
+        raise ValueError(f"{why}: q has {rows} rows and the open span {read.query_positions.numel()}: the queries are "
                          f"the open span's rows")
     if attn_mask is not None:
         _check_mask(attn_mask, q, read)

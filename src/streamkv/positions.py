@@ -50,10 +50,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["POSITION_MAPS", "MapInputs", "MapKind", "PositionMap", "position_map", "reference_rotation",
-           "registry_table"]
+__all__ = ["MAX_UNIT", "POSITION_MAPS", "MapInputs", "MapKind", "PositionMap", "check_params", "position_map",
+           "reference_rotation", "registry_table"]
 
 _BIG = 1 << 62  # stands for "no unit" in sorts (never a real unit: positions are < 2**53)
+#: every unit and every map parameter stays below this (positions are < 2**53: exact in float64)
+MAX_UNIT = 1 << 53
 
 
 class MapInputs:
@@ -105,11 +107,12 @@ class PositionMap:
     """One position map: ``fn(inputs, units, params) -> rotation units`` (same shape; int64 or
     float64), static parameters fixed at construction, dynamic ones (0-dim int64 device tensors,
     :meth:`set`) and a host reference (:func:`reference_rotation`). Build with
-    :func:`position_map`."""
+    :func:`position_map`; both it and :meth:`set` check parameters with :func:`check_params`."""
 
     def __init__(self, kind: MapKind, fn: MapFn, static: Mapping[str, Any], dynamic: Mapping[str, int]) -> None:
         self.kind, self.fn, self.static = kind, fn, dict(static)
         self.dynamic = {k: torch.tensor(int(v), dtype=torch.long) for k, v in dynamic.items()}
+        self._host = {k: int(v) for k, v in dynamic.items()}  # the dynamic values as set (no device read)
 
     @property
     def name(self) -> str:
@@ -126,28 +129,47 @@ class PositionMap:
 
     def set(self, **values: int) -> None:
         """Change dynamic parameters in place (a device write: no recompilation, captured
-        graphs read the new value on replay). ``-1`` switches an optional one off."""
-        for k, v in values.items():
-            if k not in self.dynamic:
-                raise ValueError(f"position map {self.name!r} has no dynamic parameter {k!r}; it has "
-                                 f"{sorted(self.dynamic)}")
-            if isinstance(v, bool) or not isinstance(v, int) or v < -1:
-                raise ValueError(f"{self.name}.{k} must be an int >= -1 (-1: off), got {v!r}")
+        graphs read the new value on replay). ``-1`` switches an optional one off.
+
+        Raises:
+            ValueError / TypeError: as :func:`position_map` for the same parameters (the one
+                check, :func:`check_params`, with the static ones and the other dynamic values
+                as set); nothing changes.
+        """
+        unknown = sorted(set(values) - set(self.dynamic))
+        if unknown:
+            raise ValueError(f"position map {self.name!r} has no dynamic parameter {unknown[0]!r}; it has "
+                             f"{sorted(self.dynamic)}")
+        check_params(self.kind, {**self.static, **self._host, **values})
         for k, v in values.items():
             self.dynamic[k].fill_(v)
+            self._host[k] = v
 
     def params(self) -> dict[str, Any]:
         """Static and dynamic parameters as host values (synchronises; for reports)."""
         return {**self.static, **{k: int(t) for k, t in self.dynamic.items()}}
 
-    def check_capacity(self, capacity_units: int) -> None:
-        """Refuse a cache that can hold more units than this map defines positions for."""
+    def check_capacity(self, capacity_units: int, tokens_per_unit: int = 1, window: bool = False) -> None:
+        """Refuse a cache that can hold more units than this map defines positions for, and
+        (``window``: a window cache, whose whole-unit capacity is known) a horizon so large
+        against that capacity that it reads as tokens given for units (see
+        :meth:`~streamkv.rope_at_read.RopeAtRead.bind`)."""
         horizon = self.static.get("horizon")
-        if horizon is not None and capacity_units > horizon:
+        if horizon is None:
+            return
+        if capacity_units > horizon:
             raise ValueError(
                 f"position map {self.name!r} has horizon={horizon} units and this cache can hold {capacity_units}: "
                 f"no published rule places a history longer than the horizon (infinity-RoPE rotates at most "
                 f"horizon frames); use horizon >= {capacity_units} or a smaller cache")
+        if window and tokens_per_unit > 1 and horizon >= tokens_per_unit * capacity_units:
+            raise ValueError(
+                f"position map {self.name!r} has horizon={horizon}, and horizons are in units: here latent frames of "
+                f"{tokens_per_unit} tokens. This cache holds at most {capacity_units} frames "
+                f"({tokens_per_unit * capacity_units} tokens), and a horizon of {tokens_per_unit} x that or more "
+                f"reads as tokens given for frames (the model's frame range, e.g. {horizon // tokens_per_unit} frames "
+                f"if {horizon} meant tokens): give the horizon in frames, {capacity_units} <= horizon < "
+                f"{tokens_per_unit * capacity_units}")
 
     def __call__(self, inputs: MapInputs, units: Tensor) -> Tensor:
         return self.fn(inputs, units, {**self.static, **self.dynamic})
@@ -217,6 +239,14 @@ def _ref_deep_sink(held, start, sink, p):
     return lambda u: u + max(0, start - p["first_evict"]) if u < sink else u
 
 
+def _check_block_relative(p: Mapping[str, Any]) -> None:
+    if p["anchor"] not in ("start", "end"):
+        raise ValueError(f"block_relative.anchor must be 'start' or 'end', got {p['anchor']!r}")
+    if p["anchor"] == "end" and p["cut"] >= 0:
+        raise ValueError(f"block_relative: anchor='end' and a RoPE cut (cut={p['cut']}) both place the current chunk; "
+                         f"choose one (cut=-1: off)")
+
+
 @dataclass(frozen=True)
 class MapKind:
     """A registry entry: a rule, its source, how to build it and how to check it.
@@ -225,7 +255,9 @@ class MapKind:
     cache's capacity whatever the stream length (no overflow: the same output 2**40 tokens on).
     On per-head caches ``cache_relative`` / ``block_relative`` stay bounded (ranks) but
     ``sliding_sinks`` does not (a head that keeps an old token stretches its window). ``params``: static parameter -> default
-    (None: required); ``dynamic``: device parameter -> default. ``for_geometry(sink, capacity,
+    (None: required); ``dynamic``: device parameter -> default (``-1``: off). Every parameter is
+    a unit count (an int in ``[0, 2**53)``, dynamic ones from ``-1``, ``horizon`` from 1) except
+    ``not_units``, which ``check`` validates with the rest of the kind's own rules. ``for_geometry(sink, capacity,
     chunk)`` (units) gives the parameters an experiment uses at a cache geometry."""
 
     name: str
@@ -239,6 +271,11 @@ class MapKind:
     for_geometry: Callable[[int, int, int], dict[str, Any]]
     same_as: str | None = None  # an equal rule (tested equal)
     panel: bool = False  # streamed beside the ring in the demo's panel (the issue's long-video rules)
+    #: the rules its parameters follow beyond being ints in range (static and dynamic together;
+    #: :func:`check_params` runs it for :func:`position_map` and :meth:`PositionMap.set` alike)
+    check: Callable[[Mapping[str, Any]], None] | None = None
+    #: the static parameters that are not units (ints in ``[lo, 2**53)``): checked by ``check``
+    not_units: tuple[str, ...] = ()
 
 
 POSITION_MAPS: dict[str, MapKind] = {m.name: m for m in (
@@ -262,12 +299,13 @@ POSITION_MAPS: dict[str, MapKind] = {m.name: m for m in (
             "infinity-RoPE, arXiv 2511.20649 (yesiltepe-hidir/infinity-rope wan/modules/causal_model.py, "
             "rope_cut transition_from=45)",
             True, _block_relative, _ref_block_relative, {"horizon": None, "anchor": "start"}, {"cut": -1},
-            lambda s, c, f: {"horizon": c}, panel=True),
+            lambda s, c, f: {"horizon": c}, panel=True, check=_check_block_relative, not_units=("anchor",)),
     MapKind("deep_sink", "sink unit i at i + max(0, q0 - first_evict); window and chunk absolute",
             "Deep Forcing, arXiv 2512.05081 s4.2 (authors' causal_model_DS.py, commit ea9961a)",
             False, _deep_sink, _ref_deep_sink, {"first_evict": None}, {}, lambda s, c, f: {"first_evict": c}),
     MapKind("custom", "a user function fn(inputs, units) -> rotation units, traceable (checked on meta tensors)",
-            "yours", False, None, None, {"fn": None}, {}, lambda s, c, f: {"fn": _example_user_map}),
+            "yours", False, None, None, {"fn": None}, {}, lambda s, c, f: {"fn": _example_user_map},
+            check=lambda p: _check_user_fn(p["fn"]), not_units=("fn",)),
 )}
 
 
@@ -280,12 +318,14 @@ def _example_user_map(inp: MapInputs, units: Tensor) -> Tensor:
 def _check_user_fn(fn: object) -> Callable[[MapInputs, Tensor], Tensor]:
     """Refuse a user map that is not a traceable tensor function: it is run once on meta
     tensors (no data), where any read of a value on the host (``.item()``, ``.tolist()``,
-    ``bool(t)``, a Python branch on a tensor) raises."""
+    ``bool(t)``, a Python branch on a tensor) raises; and one that writes into its inputs
+    (``units += 3``: a map returns new tensors, its inputs are read-only)."""
     if not callable(fn):
         raise TypeError(f"a custom position map needs fn=callable(inputs, units), got {type(fn).__name__}")
     held = torch.empty(2, 7, dtype=torch.long, device="meta")
     units = torch.empty(2, 3, dtype=torch.long, device="meta")
     start = torch.empty(2, 1, dtype=torch.long, device="meta")
+    versions = [t._version for t in (held, units, start)]
     try:
         out = fn(MapInputs(held, start, 1), units)
     except Exception as exc:  # noqa: BLE001 - any failure is the reason for the refusal
@@ -293,6 +333,12 @@ def _check_user_fn(fn: object) -> Callable[[MapInputs, Tensor], Tensor]:
             f"the custom position map is not traceable: evaluating it on meta tensors (no values) failed with "
             f"{type(exc).__name__}: {exc} -- a map must be tensor ops on its inputs, evaluated on the device, "
             f"without reading values on the host") from None
+    written = [name for name, t, v in zip(("inputs.held", "units", "inputs.span_start"), (held, units, start), versions)
+               if t._version != v]
+    if written:
+        raise ValueError(
+            f"the custom position map writes into {written} in place (e.g. units += 3): a map's inputs are read-only "
+            f"(they describe what the cache holds); return a new tensor (units + 3)")
     if not isinstance(out, Tensor) or tuple(out.shape) != (2, 3):
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"the custom position map must return a tensor shaped like its units [H, N] = (2, 3), got {got}")
@@ -323,21 +369,31 @@ def position_map(kind: str | PositionMap, **params: Any) -> PositionMap:
     if missing:
         raise ValueError(f"position map {kind!r} needs {missing}")
     dynamic = {k: params.get(k, d) for k, d in mk.dynamic.items()}
-    for k, v in [*((k, v) for k, v in static.items() if k not in ("fn", "anchor")), *dynamic.items()]:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{kind}.{k} must be an int, got {type(v).__name__} {v!r}")
-        lo = -1 if k in mk.dynamic else 1 if k == "horizon" else 0
-        if v < lo:
-            raise ValueError(f"{kind}.{k} must be >= {lo}, got {v}")
-    if kind == "block_relative":
-        if static["anchor"] not in ("start", "end"):
-            raise ValueError(f"block_relative.anchor must be 'start' or 'end', got {static['anchor']!r}")
-        if static["anchor"] == "end" and dynamic["cut"] >= 0:
-            raise ValueError("block_relative: anchor='end' and a RoPE cut both place the current chunk; choose one")
-    if kind == "custom":
-        user = _check_user_fn(static["fn"])
+    check_params(mk, {**static, **dynamic})
+    if mk.fn is None:  # the user's own function (checked by the entry's check)
+        user = static["fn"]
         return PositionMap(mk, lambda inp, u, p: user(inp, u), static, dynamic)
     return PositionMap(mk, mk.fn, static, dynamic)
+
+
+def check_params(mk: MapKind, params: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless ``params`` (every static and dynamic
+    parameter of ``mk``) are valid: units are ints in ``[lo, 2**53)`` (positions stay below
+    2**53; ``lo`` is -1 for dynamic ones, where -1 is off, 1 for ``horizon``, else 0), then the
+    kind's own rules (``mk.check``). The one check of :func:`position_map` and
+    :meth:`PositionMap.set`."""
+    for k, v in params.items():
+        if k in mk.not_units:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{mk.name}.{k} must be an int, got {type(v).__name__} {v!r}")
+        lo = -1 if k in mk.dynamic else 1 if k == "horizon" else 0
+        if not lo <= v < MAX_UNIT:
+            off = " (-1: off)" if lo == -1 else ""
+            raise ValueError(f"{mk.name}.{k} must be an int >= {lo}{off} and < 2**53 (positions stay below 2**53), "
+                             f"got {v}")
+    if mk.check is not None:
+        mk.check(params)
 
 
 def reference_rotation(pmap: PositionMap, held: list[int], span_start: int, sink: int) -> Callable[[int], float]:

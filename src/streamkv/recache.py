@@ -13,7 +13,8 @@ position afterwards and nothing else changes (per-head caches: a head that evict
 simply has nothing to rewrite for it).
 
 Refused, changing nothing: positions outside ``[0, end)``; for window caches a position of the
-span that the cache no longer holds (the message names it); K/V of the wrong shape, dtype or
+span that the cache no longer holds, in its window or (recall slots) in any head's recall slots
+(the message names it); K/V of the wrong shape, dtype or
 device, sparse, requiring grad, or sharing memory with the cache; a cache with observers (they
 are not told of re-caches); a cache whose buffers are inference tensors outside inference mode.
 Host side (one sync for per-head caches, to find the slots); not for use inside a captured graph.
@@ -78,14 +79,18 @@ def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | No
     for name, t, full in (("k", k, st.k_shape), ("v", v, st.v_shape)):
         _check(cache, name, t, full[:seq] + (n,) + full[seq + 1:])
     positions = st.layer_positions(layer)  # [H, S]
-    if not cache.per_head and not st.recall_slots:
+    if not cache.per_head:  # a window cache: its window is host arithmetic; recall slots are read (one sync)
         held = cache.layout.retained_positions(cache.end)
         slot_of = dict(zip(held, cache.policy.chronological_slots(cache.end)))
         missing = [p for p in range(start, start + n) if p not in slot_of]
+        recalled = set(positions[:, cache.layout.capacity:].flatten().tolist()) if missing and st.recall_slots else set()
+        missing = [p for p in missing if p not in recalled]
         if missing:
+            where = f" nor by any of its {st.recall_slots} recall slots per head" if st.recall_slots else ""
             raise ValueError(f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} are no longer held by this "
-                             f"{cache.name} cache (it holds {held[:3]}...{held[-3:]}): only held positions can be "
-                             f"re-cached in place")
+                             f"{cache.name} cache (its window holds {held[:3]}...{held[-3:]}){where}: only held "
+                             f"positions can be re-cached in place")
+    if not cache.per_head and not st.recall_slots:
         slots = torch.tensor([slot_of[p] for p in range(start, start + n)], dtype=torch.long, device=st.device)
         bufs[0][layer].index_copy_(seq, slots, k)
         bufs[1][layer].index_copy_(seq, slots, v)

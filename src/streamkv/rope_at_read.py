@@ -25,9 +25,12 @@ Where it is exact: every cache kind (per-head positions included: each head's ow
 occupancy, masks, causal and window masks (by stream position, unchanged), grouped-query
 attention (a key head's rotation serves its query heads), the chronological path (the gathered
 keys rotated at their positions' map values). Refused, with the reason: a read with no open
-span (the queries' positions are unknown), ``rope_mode="cache_relative"`` on top (two
-rotations), a map whose horizon is shorter than the cache (``block_relative``), a sink that is
-not whole units (Wan: frames), a RopeAtRead bound to caches of two sink sizes or devices.
+span (the queries' positions are unknown), queries of another row count than the open span,
+``rope_mode="cache_relative"`` on top (two rotations), a map whose horizon is shorter than the
+cache (``block_relative``) or reads as tokens given for frames (:meth:`RopeAtRead.bind`), spans
+that split a unit where the horizon would then be too short, a sink that is not whole units
+(Wan: frames), a RopeAtRead bound to caches of two sink sizes or devices. A position map is
+handed copies of the positions (never the cache's own tensors).
 
 Several maps (``RopeAtRead(rotary, ["absolute", "sliding_sinks"])``) are all evaluated at every
 read and one is selected by a device index (:meth:`use`): switching maps, or changing a map's
@@ -50,12 +53,15 @@ from .rotary import Rotary
 __all__ = ["RopeAtRead", "RotationPlan", "units_capacity"]
 
 
-def units_capacity(capacity: int, per_head: bool, tokens_per_unit: int) -> int:
+def units_capacity(capacity: int, per_head: bool, tokens_per_unit: int, split_spans: bool = False) -> int:
     """The most distinct units a cache of ``capacity`` slots can hold: any token on a unit of
-    its own for per-head caches; whole units (plus a split one at each end) for window caches."""
+    its own for per-head caches; for window caches (whole-unit sinks) whole units, plus one
+    split at the window's start when ``capacity`` is not whole units or when a span may end
+    inside a unit (``split_spans``: a chunk, or a ``begin_tokens`` span, of part of a frame)."""
     if per_head or tokens_per_unit == 1:
         return capacity
-    return -(-capacity // tokens_per_unit) + (1 if capacity % tokens_per_unit else 0)
+    split = capacity % tokens_per_unit or split_spans
+    return -(-capacity // tokens_per_unit) + (1 if split else 0)
 
 
 class RopeAtRead:
@@ -94,13 +100,28 @@ class RopeAtRead:
         self._host_selected = 0
 
     # ------------------------------------------------------------------ binding
-    def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device) -> None:
+    def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device,
+             chunk: int | None = None) -> None:
         """Check a cache and bind to its device (caches call this at construction).
+
+        ``capacity``: the cache's slots; ``per_head``: its heads may hold different positions
+        (or it has recall slots); ``chunk``: its chunk in tokens (None: not checked here; the
+        open span's alignment is then checked at every read, see :meth:`plan`).
+
+        Horizons (``block_relative``) are in units, as every map parameter is: tokens for
+        :class:`~streamkv.rotary.Rope1D`, latent frames for :class:`~streamkv.rotary.FrameRope`.
+        A frame count cannot be told from a token count in general; what is refused is a
+        horizon of ``tokens_per_unit`` times the frames a window cache can hold, or more: that is
+        what a horizon given in tokens for this cache looks like, and a frame horizon that large
+        (the cache holding less than ``1 / tokens_per_unit`` of the model's frame range) is not a
+        configuration any published rule uses.
 
         Raises:
             ValueError: the cache's feature size is not the rotary's ``head_dim``; a sink that is
-                not whole units; a map whose horizon is shorter than the cache; another device or
-                sink than a cache this RopeAtRead already serves.
+                not whole units; a map with a horizon (``block_relative``) on a chunk that is not
+                whole units (a window could then hold one unit more than the horizon counts); a
+                map whose horizon is shorter than the cache, or reads as tokens (above); another
+                device or sink than a cache this RopeAtRead already serves.
         """
         tpu = self.rotary.tokens_per_unit
         if head_dim_size != self.rotary.head_dim:
@@ -110,7 +131,10 @@ class RopeAtRead:
             raise ValueError(f"sink={sink} tokens is not a whole number of position-map units ({tpu} tokens each, "
                              f"e.g. latent frames): the sinks' units would be split")
         for m in self.maps:
-            m.check_capacity(units_capacity(capacity, per_head, tpu))
+            m.check_capacity(units_capacity(capacity, per_head, tpu), tpu, window=not per_head)
+        if chunk is not None and chunk % tpu:
+            self._check_split_spans(f"chunk={chunk} tokens is not a whole number of position-map units", capacity,
+                                    per_head)
         if self.device is not None and (self.device != device or self.sink_units != sink // tpu):
             raise ValueError(f"this RopeAtRead serves caches on {self.device} with sink {self.sink_units} units; a "
                              f"cache on {device} with sink {sink // tpu} units needs its own")
@@ -148,14 +172,31 @@ class RopeAtRead:
             raise ValueError(f"this RopeAtRead holds the maps {self.names}, not {name!r}")
         return self.maps[self.names.index(name)]
 
+    def config(self) -> dict[str, Any]:
+        """What identifies the rotation of raw keys, for state dicts: the rotary
+        (:meth:`~streamkv.rotary.Rotary.config`) and the maps (names and static parameters; the
+        dynamic ones and the map in use are stream state, not part of it). Host values only."""
+        maps = []
+        for m in self.maps:
+            static = tuple(sorted((k, v if k != "fn" else f"{getattr(v, '__module__', '?')}."
+                                   f"{getattr(v, '__qualname__', type(v).__name__)}") for k, v in m.static.items()))
+            maps.append((m.name, static))
+        return {"rotary": self.rotary.config(), "maps": tuple(maps)}
+
+    def _horizon_maps(self) -> list[PositionMap]:
+        """The held maps that count units within a horizon (their rotations are bounded by it)."""
+        return [m for m in self.maps if m.static.get("horizon") is not None]
+
     # ------------------------------------------------------------------ evaluation
     def _inputs(self, positions: Tensor, query_positions: Tensor) -> tuple[MapInputs, Tensor]:
         """The map inputs of a read (held units ``[H, S]``, the span's first unit) and the queries' units."""
         rot = self._device_rotary
         if rot is None:
             raise RuntimeError("RopeAtRead is not bound to a cache (pass it as rope_at_read= to a cache)")
-        units = rot.units(_one_row(positions))
-        q_units = rot.units(query_positions).view(1, -1).expand(units.shape[0], -1)
+        # the maps see copies: never the cache's own slot positions or the lifecycle's query
+        # positions (a map that wrote into its input would otherwise move what the cache holds)
+        units = rot.units(_one_row(positions)).clone()
+        q_units = rot.units(query_positions).view(1, -1).expand(units.shape[0], -1).clone()
         return MapInputs(units, q_units[:, :1], self.sink_units), q_units
 
     def _evaluate(self, inp: MapInputs, units: Tensor) -> Tensor:
@@ -184,10 +225,35 @@ class RopeAtRead:
         if read.query_positions is None:
             raise ValueError(f"{read.name}: rotation at read needs the queries' positions, and no span is open "
                              f"(begin_chunk / begin_tokens, then update, then attend)")
+        self._check_whole_units(read)
         inp, q_units = self._inputs(read.positions, read.query_positions)
         q_rot = self._evaluate(inp, q_units)
         origin = q_rot[:, :1]
         return RotationPlan(self, read, inp, origin, q_rot - origin)
+
+
+    def _check_split_spans(self, what: str, capacity: int, per_head: bool) -> None:
+        """Refuse spans that end inside a unit where a map's horizon counts only the whole-unit
+        capacity: a window cache then holds one unit more (the split one at its start)."""
+        most = units_capacity(capacity, per_head, self.rotary.tokens_per_unit, split_spans=True)
+        for m in self._horizon_maps():
+            if m.static["horizon"] < most:
+                raise ValueError(
+                    f"{what} ({self.rotary.tokens_per_unit} tokens each, e.g. latent frames): a window cache of "
+                    f"{capacity} slots whose spans split units holds up to {most} units, and position map {m.name!r} "
+                    f"places at most horizon={m.static['horizon']} (a sink would be rotated outside it); write whole "
+                    f"units (chunks and spans of a multiple of {self.rotary.tokens_per_unit} tokens) or use "
+                    f"horizon >= {most}")
+
+    def _check_whole_units(self, read: Any) -> None:
+        """At a read of a window cache whose open span ends inside a unit (``begin_tokens`` of part
+        of a frame, or a chunk of part of one): :meth:`_check_split_spans`. Host ints of an eager
+        read; a compiled step's reads carry no lifecycle (its spans are the eager steps' before it)."""
+        lc = read.lifecycle
+        if lc is None or read.num_retained is None or not lc.end % self.rotary.tokens_per_unit:
+            return
+        self._check_split_spans(f"{read.name}: the open span ends at position {lc.end}, inside a unit",
+                                read.positions.shape[-1], per_head=False)
 
 
 def _one_row(positions: Tensor) -> Tensor:
@@ -208,10 +274,10 @@ class RotationPlan:
 
     def key_units(self, positions: Tensor) -> Tensor:
         """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value);
-        ``[1, N]`` when the read's heads all hold the same positions."""
+        ``[1, N]`` when the read's heads all hold the same positions. The map sees a copy."""
         if self.inputs.held.shape[0] == 1:
             positions = _one_row(positions)
-        return self.rope._evaluate(self.inputs, self.rope._device_rotary.units(positions)) - self.origin
+        return self.rope._evaluate(self.inputs, self.rope._device_rotary.units(positions).clone()) - self.origin
 
     def _tables(self, delta: Tensor, positions: Tensor, dtype: torch.dtype, heads_axis: int | None, lead: int,
                 groups: int = 1) -> tuple[Tensor, Tensor]:
@@ -229,6 +295,10 @@ class RotationPlan:
     def queries(self, qt: Tensor) -> Tensor:
         """``qt [..., Q, D]`` (attention layout, before grouped-query folding) rotated, in its dtype."""
         read = self.read
+        if qt.shape[-2] != self.query_units.shape[-1]:
+            raise ValueError(
+                f"{read.name}: rotation at read places the queries at the open span's positions: q has "
+                f"{qt.shape[-2]} rows and the open span {self.query_units.shape[-1]} (one query per position written)")
         lead = qt.dim() - 2
         hk = self.query_units.shape[0]
         groups = 1 if read.head_axis is None or hk == 1 else qt.shape[read.head_axis] // hk

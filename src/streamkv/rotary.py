@@ -124,6 +124,15 @@ class Rotary:
     def to(self, device: torch.device) -> Rotary:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def config(self) -> dict:
+        """What identifies this rotation (host values: class, sizes, layout and the exact float64
+        frequencies), recorded in the state dicts of caches that rotate at read."""
+        return {"class": type(self).__name__, "head_dim": self.head_dim, "style": self.style,
+                "tokens_per_unit": self.tokens_per_unit, **self._config()}
+
+    def _config(self) -> dict:
+        return {}
+
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """``x`` rotated pairwise (a new tensor, in the dtype of ``x``). Interleaved pairs of a
         float32/float64 ``x`` are one complex multiplication (a single pass)."""
@@ -202,8 +211,36 @@ class Rope1D(Rotary):
     def angles(self, delta: Tensor, positions: Tensor) -> Tensor:
         return exact_angles(delta, self.freqs, self.residues)
 
+    def _config(self) -> dict:
+        return {"freqs": tuple(self.freqs.tolist())}
+
     def __repr__(self) -> str:
         return f"Rope1D(head_dim={self.head_dim}, style={self.style!r})"
+
+
+def _wan_recipe(rope: object) -> str:
+    """For diffusers' ``WanRotaryPosEmbed``: how to build the streamkv Rope3D of the same RoPE
+    (the same band split and frequencies; its grid is the transformer input's, which the module
+    does not keep, and its theta is checked against its own tables). Empty for anything else."""
+    names = ("attention_head_dim", "patch_size", "max_seq_len", "t_dim", "h_dim", "w_dim", "freqs_cos")
+    if not all(hasattr(rope, n) for n in names):
+        return ""
+    d, (_, p_h, p_w), frames = rope.attention_head_dim, rope.patch_size, rope.max_seq_len
+    band_hw = 2 * (d // 6)  # Rope3D's split: time d - 2 band_hw, height and width band_hw each
+    if (rope.t_dim, rope.h_dim, rope.w_dim) != (d - 2 * band_hw, band_hw, band_hw):
+        return f"; its bands {(rope.t_dim, rope.h_dim, rope.w_dim)} are not Wan's split, which Rope3D has"
+    # theta: diffusers' default unless its own tables say otherwise (float32 tables: one ulp at 1)
+    t = torch.arange(frames, dtype=torch.float64).unsqueeze(-1)
+    want = torch.cat([(t * 10000.0 ** (-torch.arange(0, b, 2, dtype=torch.float64) / b)).cos() for b in
+                      (rope.t_dim, rope.h_dim, rope.w_dim)], dim=-1)
+    got = rope.freqs_cos.detach().to("cpu", torch.float64)[:, ::2]
+    theta = "10000.0" if got.shape == want.shape and bool(((got - want).abs() <= 2.0**-24).all()) else \
+        "<the theta it was built with>"
+    return (f". diffusers' WanRotaryPosEmbed is the same 3D RoPE as streamkv's Rope3D (bands {rope.t_dim}/"
+            f"{rope.h_dim}/{rope.w_dim}, frequencies theta ** (-2i / band)); build it for the transformer input's "
+            f"latent size (latent_height x latent_width; one token per {p_h} x {p_w} patch) as "
+            f"`FrameRope(Rope3D({d}, latent_height // {p_h}, latent_width // {p_w}, max_frames={frames}, "
+            f"theta={theta}))` (from streamkv.rope import Rope3D)")
 
 
 class FrameRope(Rotary):
@@ -220,7 +257,8 @@ class FrameRope(Rotary):
     def __init__(self, rope) -> None:  # a Rope3D (duck-typed: rotary sits below rope in the layers)
         for name in ("head_dim", "grid_h", "grid_w", "tokens_per_frame", "bands", "_freqs"):
             if not hasattr(rope, name):
-                raise TypeError(f"rope must be a streamkv Rope3D, got {type(rope).__name__} (no {name!r})")
+                raise TypeError(f"rope must be a streamkv Rope3D, got {type(rope).__name__} (no {name!r})"
+                                + _wan_recipe(rope))
         self.head_dim = rope.head_dim
         self.grid_w = rope.grid_w
         self.tokens_per_unit = rope.tokens_per_frame
@@ -242,6 +280,10 @@ class FrameRope(Rotary):
         return torch.cat([exact_angles(delta, self.time_freqs, self.residues),
                           row.to(torch.float64).unsqueeze(-1) * self.hw_freqs[0],
                           col.to(torch.float64).unsqueeze(-1) * self.hw_freqs[1]], dim=-1)
+
+    def _config(self) -> dict:
+        return {"bands": tuple(self.bands), "grid_w": self.grid_w, "time_freqs": tuple(self.time_freqs.tolist()),
+                "hw_freqs": tuple(tuple(f.tolist()) for f in self.hw_freqs)}
 
     def cos_sin(self, delta: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """As :meth:`Rotary.cos_sin`; the height/width bands (fixed per token of a frame) come

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .stores import Dims, Segment, Store, WritePlan, make_store
 from .stores.dims import check_shape, normalise_dims
-from .validate import check_int
+from .validate import check_device, check_int
 
 __all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias", "position_mask"]
 
@@ -113,12 +113,7 @@ class KVStorage:
         recall_slots = check_int("recall_slots", recall_slots, 0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {device} was asked for, but this torch build or machine has no CUDA device")
+        device = check_device(device)
 
         slots = capacity + recall_slots
         self.dims = dims = Dims(k_shape, v_shape, seq, head, slots, chunk)

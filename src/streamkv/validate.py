@@ -1,11 +1,12 @@
-"""The checks of scalar arguments, written once: exact integers and finite reals."""
+"""The checks of scalar arguments, written once: exact integers, finite reals, devices."""
 
 from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
-__all__ = ["check_int", "check_real"]
+__all__ = ["check_device", "check_int", "check_real"]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -41,4 +42,19 @@ def check_real(name: str, value: object, *, positive: bool = False, minimum: flo
         raise ValueError(f"{name} must be >= {minimum}, got {out}")
     if maximum is not None and out > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {out}")
+    return out
+
+
+def check_device(device: Any) -> Any:
+    """``device`` as a ``torch.device``; ``ValueError`` for what is not one, ``RuntimeError`` for
+    a CUDA device on a torch build or machine without one (before anything is allocated there:
+    torch's own error is an ``AssertionError`` from deep inside an allocation)."""
+    import torch
+
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {out} was asked for, but this torch build or machine has no CUDA device")
     return out

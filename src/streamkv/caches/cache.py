@@ -122,7 +122,7 @@ class KVCache:
             if not isinstance(rope_at_read, RopeAtRead):
                 raise TypeError(f"rope_at_read must be a streamkv RopeAtRead or None, got {type(rope_at_read).__name__}")
             rope_at_read.bind(sink=layout.sink, capacity=st.slots, per_head=pol.per_head or bool(st.recall_slots),
-                              head_dim_size=st.k_shape[-1], device=st.device)
+                              head_dim_size=st.k_shape[-1], device=st.device, chunk=layout.chunk)
         self._assemble(layout, pol, st, rope_at_read, opts.history if opts is not None else 0)
 
     def _assemble(self, layout: CacheLayout, pol: SlotPolicy, st: KVStorage, rope_at_read: Any, history: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..policies import Step
+from ..validate import check_device
 from .cache import KVCache, LayerView
 from .spec import CacheSpec
 
@@ -65,9 +66,10 @@ class CacheSet:
             raise ValueError(f"branches must be non-empty names, got {branches!r}")
         if len(set(branches)) != len(branches):
             raise ValueError(f"branches must be distinct, got {branches!r}")
-        # validate every argument on the meta device (no memory) before allocating
+        # validate every argument on the meta device (no memory) before allocating; the device
+        # itself as a cache would (the same check and message as KVStorage's)
+        device = check_device(spec.device)
         probe = spec.replace(device="meta").build(kind, **kwargs)
-        device = spec.device
         nb = len(branches)
         self.spec = spec
         self.branches = branches

@@ -5,7 +5,9 @@ with ``policy=P`` fixed. They add no behaviour: ``TOVACache(...)`` and
 
 from __future__ import annotations
 
-from ..policies import POLICIES
+import inspect
+
+from ..policies import CACHE_KEYWORDS, POLICIES
 from .cache import KVCache
 
 __all__ = ["CACHE_KINDS", "RingCache", "ChronologicalCache", "MassBudgetCache", "H2OCache", "TOVACache"]
@@ -20,6 +22,10 @@ def _named(name: str) -> type[KVCache]:
                    f"(:class:`~streamkv.policies.{policy.__name__}`).",
     })
 
+
+# the keywords KVCache takes itself, for the policy layer's messages (every other keyword goes to the policy)
+CACHE_KEYWORDS[:] = [p.name for p in inspect.signature(KVCache).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 #: Cache classes by kind name, one per entry of :data:`~streamkv.policies.POLICIES`.
 CACHE_KINDS: dict[str, type[KVCache]] = {name: _named(name) for name in POLICIES}

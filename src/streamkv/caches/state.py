@@ -19,6 +19,10 @@ __all__ = ["StateDicts", "MAX_POSITION"]
 
 #: Positions stay below 2**53: exact in float64 (RoPE angles) and far from int64 overflow.
 MAX_POSITION = 2**53
+#: what a state's keys are (``config()["key_rotation"]``): as written by the model (rotated at their stream
+#: positions, RoPE at write, or never rotated), or raw and rotated at every read by a position map
+KEYS_AS_WRITTEN = "as written (RoPE at write, or none: attended as stored)"
+KEYS_RAW = "raw (un-rotated: rotated at every read by rope_at_read)"
 
 
 class StateDicts:
@@ -27,11 +31,16 @@ class StateDicts:
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
                  checks: InputChecks, rope_at_read: Any = None) -> None:
         self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
+        #: the cache's :class:`~streamkv.rope_at_read.RopeAtRead` (None: keys stored as written)
         self.rope_at_read = rope_at_read
 
     def config(self) -> dict[str, Any]:
-        """What must match for a state dict to load: kind, policy, layout, shapes, dtype."""
+        """What must match for a state dict to load: kind, policy, layout, shapes, dtype, and what
+        the stored keys mean: raw (rotated at read: the rotary and the maps that rotate them) or
+        as written (RoPE at write, or none). A raw-key state read by a cache that attends its keys
+        as stored, or the reverse, or under another rotary or map, would attend wrong keys."""
         st = self.storage
+        rope = self.rope_at_read
         return {
             "kind": self.policy.name,
             "layout": (self.layout.sink, self.layout.window, self.layout.chunk),
@@ -43,6 +52,8 @@ class StateDicts:
             "num_layers": st.num_layers,
             "recall_slots": st.recall_slots,
             "dtype": str(st.dtype),
+            "key_rotation": KEYS_AS_WRITTEN if rope is None else KEYS_RAW,
+            "rope": None if rope is None else rope.config(),
             **st.store.config(),
         }
 

@@ -8,8 +8,8 @@ device, dtype``), methods and properties (``before_update``, ``update``,
 - ``cached_k()`` / ``cached_v()`` return the *physical* buffer (the valid prefix
   while filling): rows are not in position order once the ring has wrapped. That is
   exact for unmasked attention with RoPE applied before the cache write (the Wan
-  recipe's default), and wrong for cache-relative RoPE or masks: use the original
-  ``BlockKVCache`` there.
+  recipe's default); for flashdreams' cache-relative RoPE pass ``relative_rope_freqs=``
+  (below); for masks over chronological key indices use the original ``BlockKVCache``.
 - ``write_end`` locates the chunk in a chronological layout. It is returned while
   the two layouts coincide (before the first eviction) and raises ``RuntimeError``
   afterwards, rather than name slots the chunk does not occupy.
@@ -181,8 +181,10 @@ class CircularBlockKVCache:
             slots = self._ring.write_slots[0, 0].tolist()
             raise RuntimeError(
                 f"write_end is undefined on the ring after the first eviction: chunk {chunk} "
-                f"occupies slots {slots}, not [size - chunk_size, size). Cache-relative RoPE "
-                f"needs the chronological BlockKVCache."
+                f"occupies slots {slots}, not [size - chunk_size, size). For flashdreams' "
+                f"KV-cache-relative RoPE (apply_rope_before_kvcache=False) build the drop-in with "
+                f"relative_rope_freqs=rope.shift_t(0), interleaved=True: write_end is then size and "
+                f"cached_k() is rotated to match"
             )
         return self.size
 

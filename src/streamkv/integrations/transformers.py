@@ -14,11 +14,11 @@ Needs transformers 5.24 or later in 5.x (tested: 5.24.0): its attention modules 
 kwargs, which is how a layer's read reaches :func:`streamkv_attention` (earlier 5.x releases do
 not pass the kwargs; the import refuses them).
 
-Kinds: ``"ring"`` (sinks + window, nothing retained moves), ``"chronological"`` (the same
-tokens, rolled), and the scored per-head policies ``"mass"`` (``tau=``), ``"h2o"`` and
-``"tova"`` (``budget=``, default the largest). :func:`build_cache` sizes any of them for a
-model config at a memory budget (``memory_tokens = sink + window`` slots per layer and key
-head; the buffers are allocated once).
+Kinds: any kind of :data:`streamkv.policies.POLICIES` (:data:`KINDS`): the window kinds
+(sinks + window) and the scored per-head ones, each with its policy's parameters as keywords
+(a missing required one is named with its meaning and example value). :func:`build_cache`
+sizes any of them for a model config at a memory budget (``memory_tokens = sink + window``
+slots per layer and key head; the buffers are allocated once).
 
 Semantics (every kind). A forward of ``n`` tokens (``1 <= n <= chunk``: the cache's
 ``chunk`` is the largest prefill chunk accepted) enters positions ``[e, e + n)``, where ``e``
@@ -80,8 +80,12 @@ Models: decoder-only models whose attention modules follow transformers' Llama p
 kwargs) and only full-attention layers; tested: Llama, Qwen2.
 
 Refused with an error: an ``attention_mask`` with padding (or not covering the stream),
-position ids that are not the stream's next positions (left padding, restarts), beam search
-(``reorder_cache``), ``crop`` (assisted / speculative decoding, rollback), batch expansion
+position ids that are not the stream's next positions (left padding, restarts: "call
+``cache.reset()``"), a ``generate()`` call whose input does not extend the stream the cache
+holds (a second ``generate()`` on a prompt: ``cache.reset()`` first; a continuation passes the
+previous output and new tokens), beam search (``generate(num_beams>1)``, refused by name before
+any forward; ``reorder_cache``), a ``generate()`` batch (prompts x ``num_return_sequences``)
+the cache was not built for, ``crop`` (assisted / speculative decoding, rollback), batch expansion
 or selection, offloading, a forward longer than ``chunk``, sliding-window / chunked /
 linear-attention layers, attention logit soft-capping, attention sinks (``s_aux``),
 position bias, packed sequences (``cu_seq_lens``), non-causal attention, attention dropout
@@ -143,7 +147,7 @@ __all__ = [
     "register", "streamkv_attention", "streamkv_mask",
 ]
 
-#: the cache kinds :func:`build_cache` makes
+#: the cache kinds :func:`build_cache` makes: every kind of :data:`streamkv.policies.POLICIES`
 KINDS = tuple(CACHE_KINDS)
 
 
@@ -261,14 +265,26 @@ def register() -> None:
 register()
 
 
+def _text_config(config: Any, who: str) -> Any:
+    """The text decoder's config of a model config; ``TypeError`` for what is not one."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    missing = [n for n in ("num_attention_heads", "num_hidden_layers", "hidden_size") if not hasattr(cfg, n)]
+    if config is None or missing:
+        raise TypeError(f"{who} needs the model's config (model.config: a transformers config with "
+                        f"num_attention_heads, num_hidden_layers, hidden_size), got {type(config).__name__}"
+                        + (f" without {missing}" if config is not None else ""))
+    return cfg
+
+
 def cache_shape(config: Any, batch_size: int, slots: int) -> tuple[int, int, int, int]:
     """``(batch_size, key_value_heads, slots, head_dim)``: one layer's key buffer for a model
     config (its text decoder); refuses what the cache cannot serve.
 
     Raises:
+        TypeError: ``config`` is not a model config (None, ...).
         ValueError: an encoder-decoder model, or layers that are not all full attention.
     """
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    cfg = _text_config(config, "cache_shape")
     if getattr(cfg, "is_encoder_decoder", False):
         raise ValueError(f"encoder-decoder models are not supported ({type(cfg).__name__})")
     layer_types = getattr(cfg, "layer_types", None)
@@ -305,7 +321,7 @@ def build_cache(
 
     Args:
         config: the model's config (``model.config``); its text decoder is used.
-        kind: one of :data:`KINDS` (``"ring"``, ``"chronological"``, ``"mass"``, ``"h2o"``, ``"tova"``).
+        kind: any kind of :data:`streamkv.policies.POLICIES` (:data:`KINDS`).
         chunk: the largest forward (prefill chunk) in tokens; decode steps are 1.
         window, memory_tokens: exactly one: the window (slots besides the sinks), or the
             slots per layer and key head in all (``memory_tokens = sink + window``).
@@ -326,7 +342,8 @@ def build_cache(
             required; ``fmt``, ``group``, ``block``, ``recall_tau``, ``certify``, ``scale``, default
             the config's; ``causal`` is always True): the evicted history kept quantised on the
             device and attended (``cache.tier``); ``recall_slots`` then need ``recall_tau``.
-        policy_params: ``tau=`` (mass, required), ``budget=`` (h2o/tova), ``protect_newest=``.
+        policy_params: the policy's constructor parameters (its ``example_params`` show the
+            required ones; a missing or unknown one is refused naming what the policy takes).
 
     Memory: the buffers are ``2 x num_layers x [batch_size, kv_heads, sink + window,
     head_dim]`` (``cache.kv.nbytes``) whatever the kind, so equal ``memory_tokens`` is equal
@@ -341,11 +358,13 @@ def build_cache(
     evicted K/V themselves are on the host.
 
     Raises ``ValueError``/``TypeError`` naming the bad size, as the core does (e.g. scored
-    kinds need ``window >= 2 * chunk``), and as :func:`cache_shape` for configs; recall slots
-    without ``certify``; ``certify`` options the Certifier does not take, or refuses.
+    kinds need ``window >= 2 * chunk``), and as :func:`cache_shape` for configs (``TypeError``
+    for what is not a model config, e.g. None); recall slots without ``certify``; ``certify``
+    options the Certifier does not take, or refuses.
     """
+    cfg = _text_config(config, "build_cache")
     if kind not in CACHE_KINDS:
-        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+        raise ValueError(f"kind must be one of {list(CACHE_KINDS)}, got {kind!r}")
     if (window is None) == (memory_tokens is None):
         raise TypeError(f"give exactly one of window= and memory_tokens=, got window={window!r}, "
                         f"memory_tokens={memory_tokens!r}")
@@ -368,7 +387,6 @@ def build_cache(
         raise TypeError(f"tier must be a dict of CompressedTier options, got {type(tier).__name__}")
     if tier is not None and "causal" in tier:
         raise TypeError("tier takes no causal option: the streamkv attention is position-causal, so the tier is")
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     k_shape = cache_shape(cfg, batch_size, sink + window)
     layout = {"seq_dim": 2, "head_dim": 1}
     if certify is not None or tier is not None:  # token-major: the certifier's (and the tier's) layout

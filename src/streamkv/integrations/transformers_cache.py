@@ -35,6 +35,7 @@ from ..certify import Certifier
 from ..certify.tier import CompressedTier
 from ..storage import check_int
 from .transformers_checks import (
+    GenerateChecks,
     check_attention_kwargs,
     check_model_config,
     check_positions,
@@ -80,7 +81,7 @@ def _refuse_compiled() -> None:
     raise RuntimeError(refusal("torch.compile", _EAGER_ONLY))
 
 
-class StreamKVCache(Cache):
+class StreamKVCache(GenerateChecks, Cache):
     """A transformers ``Cache`` over a streamkv cache, for ``generate()`` and forward loops.
 
     Args:

@@ -1,10 +1,15 @@
 """The input checks of a :class:`~streamkv.integrations.transformers_cache.StreamKVCache`: what
 transformers hands the cache (attention kwargs, K/V, position ids, the model's config) is checked
 here, before layer 0 commits the previous span or writes anything, so that a refused forward
-changes nothing. No state of its own except the per-thread mask-sizes token (``_ASKED``)."""
+changes nothing; and what a ``generate()`` call asks that the cache cannot do (:class:`GenerateChecks`:
+beam search, a batch it was not built for, an input that does not extend the held stream), checked
+when ``generate()`` marks the cache, before its first forward. No state of its own except the
+per-thread mask-sizes token (``_ASKED``)."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +20,8 @@ if TYPE_CHECKING:
     from ..caches import KVCache
     from .transformers_cache import StreamKVCache
 
-__all__ = ["check_attention_kwargs", "check_model_config", "check_positions", "check_states", "mark_asked",
-           "take_asked"]
+__all__ = ["GenerateChecks", "check_attention_kwargs", "check_model_config", "check_positions", "check_states",
+           "generate_call", "mark_asked", "take_asked"]
 
 
 # attention kwargs that change what attention computes: refused
@@ -101,9 +106,11 @@ def check_positions(position_ids: Any, start: int, n: int) -> None:
         )
     want = torch.arange(start, start + n, device=position_ids.device)
     if not bool((position_ids == want).all()):
+        restart = (f"; a forward at position {int(position_ids.min())} on a cache that holds a stream starts another "
+                   f"one: call cache.reset() first" if start and int(position_ids.min()) < start else "")
         raise ValueError(
             f"position_ids must be the stream's next positions [{start}, {start + n}) in every row (no padding, "
-            f"no restart): the cache holds {start} positions, got {position_ids[0].tolist()} in row 0"
+            f"no restart): the cache holds {start} positions, got {position_ids[0].tolist()} in row 0{restart}"
         )
 
 
@@ -146,3 +153,90 @@ def check_states(kv: KVCache, key_states: Any, value_states: Any, layer: int) ->
             f"layer {layer}: this cache was built under torch.inference_mode(), so torch lets its buffers change "
             f"only inside inference mode; run the model under torch.inference_mode() (or build the cache outside it)"
         )
+
+
+def _generate_code() -> Any:
+    from transformers.generation.utils import GenerationMixin
+
+    return inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def generate_call() -> tuple[Any, Tensor, dict[str, Any]] | None:
+    """The transformers ``generate()`` call running on this thread, found on the Python stack
+    (its frame is ``GenerationMixin.generate``'s code): ``(generation_config, input_ids,
+    model_kwargs)`` as that call holds them (``input_ids`` already expanded for
+    ``num_beams`` / ``num_return_sequences``), or None (not inside ``generate()``, or a
+    transformers whose ``generate`` keeps other names: the checks that use it are then skipped).
+    Read only, once per ``generate()`` call (:class:`GenerateChecks`): it never changes what runs."""
+    code = _generate_code()
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            loc = frame.f_locals
+            cfg, ids, kwargs = loc.get("generation_config"), loc.get("input_ids"), loc.get("model_kwargs")
+            if cfg is None or not isinstance(ids, Tensor) or not isinstance(kwargs, dict):
+                return None
+            return cfg, ids, kwargs
+        frame = frame.f_back
+    return None
+
+
+class GenerateChecks:
+    """What a streamkv transformers cache refuses of a ``generate()`` call, before its first
+    forward: transformers marks a cache passed to ``generate()`` (``cache._is_user_defined =
+    True``) once per call, after expanding the inputs and before any forward; the setter here
+    reads that call (:func:`generate_call`) and refuses, changing nothing:
+
+    - beam search (``num_beams > 1``): one stream per batch row, and beams reorder rows after
+      every step (``reorder_cache``), which evicted tokens cannot follow;
+    - a batch the cache was not built for (``generate()`` runs ``batch x num_return_sequences``
+      rows);
+    - a call whose input does not extend the stream the cache holds. transformers' ``generate()``
+      treats a cache it is given as holding the first tokens of its input (``DynamicCache``
+      too: it slices off as many input tokens as the cache holds), so a second ``generate()`` on
+      the same prompt with the same cache is not a new stream: ``DynamicCache`` then continues
+      from the wrong tokens without a word (or fails inside RoPE with prefill chunks). This cache
+      refuses it and says ``cache.reset()``; it does not reset by itself, because continuing a
+      stream (the previous output and new tokens as input) is a valid use that a silent reset
+      would turn into a different computation.
+    """
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if value:
+            self._check_generate()
+        self.__dict__["_user_defined"] = bool(value)
+
+    def _check_generate(self) -> None:
+        call = generate_call()
+        if call is None:
+            return
+        cfg, ids, kwargs = call
+        name = type(self).__name__
+        beams = getattr(cfg, "num_beams", 1) or 1
+        if beams > 1:
+            raise RuntimeError(
+                f"{name} does not support beam search (generate(num_beams={beams})): it holds one stream per batch "
+                f"row, and beams reorder rows after every step (reorder_cache), which evicted tokens cannot follow; "
+                f"use greedy decoding or sampling (num_beams=1)")
+        batch = self.layers[0].keys.shape[0]  # every layer's buffer is [batch, ...]
+        if ids.shape[0] != batch:
+            returns = getattr(cfg, "num_return_sequences", 1) or 1
+            raise ValueError(
+                f"generate() runs {ids.shape[0]} rows (the prompts x num_return_sequences={returns}) and this {name} "
+                f"was built for batch {batch}: build it with batch_size={ids.shape[0]}")
+        held = self.get_seq_length()
+        mask = kwargs.get("attention_mask")
+        length = max(ids.shape[-1], mask.shape[-1] if isinstance(mask, Tensor) and mask.dim() == 2 else 0)
+        if held and length <= held:
+            raise RuntimeError(
+                f"this generate() call's input is {length} tokens and the {name} already holds a stream of {held} "
+                f"positions: generate() continues the stream its cache holds (its input must be that stream's tokens "
+                f"and new ones, e.g. the previous output plus a new turn); to start a new stream (another prompt, or "
+                f"the same one again) call cache.reset() first")

@@ -57,6 +57,7 @@ from ..caches import CACHE_KINDS, KVCache, KVRead
 from ..rope_at_read import RopeAtRead
 from ..rotary import Rope1D
 from .transformers_cache import check_attention_kwargs
+from .transformers_checks import GenerateChecks
 from .transformers_layer import layer_buffers
 
 __all__ = ["ATTN_IMPLEMENTATION", "WindowedStreamKVCache", "build_windowed_cache", "layer_groups",
@@ -135,7 +136,7 @@ class _Layer(CacheLayerMixin):
         self.owner.reset()
 
 
-class WindowedStreamKVCache(Cache):
+class WindowedStreamKVCache(GenerateChecks, Cache):
     """A transformers ``Cache`` over one streamkv cache per layer group (see the module docstring).
 
     Args:
