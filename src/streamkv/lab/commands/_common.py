@@ -28,6 +28,8 @@ def toy_weights_horizon(weights: str | Path | None = None, flag: str = "--weight
     """The training window recorded in the toy video model's weights (``None``: the packaged
     weights); a missing or unreadable file is a :class:`~streamkv.lab.errors.UsageError` naming
     it, raised before any work."""
+    from safetensors import SafetensorError
+
     from streamkv.lab.errors import UsageError
     from streamkv.lab.video.toy import WEIGHTS, training_horizon
 
@@ -42,7 +44,5 @@ def toy_weights_horizon(weights: str | Path | None = None, flag: str = "--weight
         return training_horizon(path)
     except ValueError as exc:  # the file does not record its training window (the message names it)
         raise UsageError(f"{flag}: {exc}") from None
-    except Exception as exc:  # safetensors' own error types: the file is not a safetensors file
-        if type(exc).__module__.split(".")[0] != "safetensors" and not isinstance(exc, OSError):
-            raise
+    except (SafetensorError, OSError) as exc:  # not a safetensors file, or not readable
         raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None

@@ -191,9 +191,10 @@ def _check_lm_chunk(chunk: int) -> None:
     from streamkv.lab.kinds import kind_params
 
     for cfg in DEFAULT_CONFIGS["smollm2"]:
+        policy = make_policy(cfg.policy, **kind_params(cfg.policy, tau=cfg.tau))
         with usage_errors(what=f"--lm-chunk {chunk} does not fit the SmolLM2 two-tier budget ({cfg.policy}, sink "
                                f"{cfg.sink} + window {cfg.window})"):
-            make_policy(cfg.policy, **kind_params(cfg.policy, tau=cfg.tau)).check_layout(CacheLayout(sink=cfg.sink, window=cfg.window, chunk=chunk))
+            policy.check_layout(CacheLayout(sink=cfg.sink, window=cfg.window, chunk=chunk))
 
 
 def _real(args: argparse.Namespace) -> int:

@@ -87,7 +87,8 @@ def _video(out, frames: int, weights: str | None = None) -> int:
 
     console = make_console()
     with threads(1), console.status("") as status:
-        result = video_demo(out, frames=frames, weights=weights or WEIGHTS, progress=lambda what: status.update(f"toy video: streaming {what}"))
+        result = video_demo(out, frames=frames, weights=weights or WEIGHTS,
+                            progress=lambda what: status.update(f"toy video: streaming {what}"))
     write_json(out / "demo_video.json", result)
     c = result["clip"]
     console.print(

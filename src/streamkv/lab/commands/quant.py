@@ -100,8 +100,9 @@ def check(args: argparse.Namespace) -> None:
     if "chunk" in given and not {"read", "smollm2"} & running:
         unused.append("chunk")
     if unused:
+        it = "it" if len(unused) == 1 else "them"
         raise UsageError(f"{', '.join('--' + n.replace('_', '-') for n in unused)}: only parts this run skips (--skip "
-                         f"{args.skip}) use it; leave it out")
+                         f"{args.skip}) use {it}; leave {it} out")
     sz, chunk = sizes(args), args.chunk
     if "read" in running and (sz["read_tokens"] % chunk or sz["read_tokens"] < chunk + SINK):
         raise UsageError(f"--read-tokens must be a multiple of --chunk ({chunk}) and >= chunk + {SINK} sinks, got "

@@ -36,7 +36,7 @@ def check(args: argparse.Namespace):
 
     from streamkv.lab.commands._common import toy_weights_horizon
     from streamkv.lab.errors import UsageError, usage_errors
-    from streamkv.lab.video.config import EvalConfig
+    from streamkv.lab.video.config import CONTEXT_FRAMES, EvalConfig
     from streamkv.lab.video.runs import cache_run_spec
     from streamkv.lab.video.toy import toy_config
 
@@ -46,6 +46,9 @@ def check(args: argparse.Namespace):
     top = toy_config().max_frames
     if args.frames > top:
         raise UsageError(f"--frames must be <= {top} (the toy model's RoPE horizon), got {args.frames}")
+    if args.frames % 2 or args.frames <= CONTEXT_FRAMES:
+        raise UsageError(f"--frames must be even (2-frame chunks) and > {CONTEXT_FRAMES} (the context frames), got "
+                         f"{args.frames}")
     if not args.capacities or any(c < 4 or c % 2 for c in args.capacities):
         raise UsageError(f"--capacities must be even frame counts >= 4 (sinks, the chunk and the next), got "
                          f"{' '.join(map(str, args.capacities))}")
