@@ -6,7 +6,11 @@ inside ``check`` and ``run``, so ``streamkv --help`` is instant. Every option is
 refused, and every bound is checked before any work: :func:`check_args` (counts, seeds, output
 paths, devices) and then the command's ``check`` run before ``run``; ``args._given`` names the
 options given on the command line (so that a command can refuse an option that does not apply
-to what it runs, rather than ignore it). Errors go to stderr, one line, with exit status 2.
+to what it runs, rather than ignore it).
+
+A refusal is a :class:`~streamkv.lab.errors.UsageError`: one line on stderr, exit status 2 (so
+is a missing optional dependency, named with its extra). Anything else raised is a bug and is
+not caught here: its traceback prints and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from streamkv.lab.errors import UsageError
 
 #: subcommand -> (module in streamkv.lab.commands, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -58,29 +64,33 @@ COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "np
           "scaling_repeats": 1, "every": 1, "block_tokens": 1, "pool_events": 0, "recall_slots": 1,
           "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "calls": 1, "steps": 1, "batch": 1, "clips": 1,
           "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0,
-          "long_clips": 1, "long_factor": 1, "position_factor": 1}
+          "long_clips": 1, "long_factor": 1, "position_factor": 1, "headline_repeats": 1, "positions": 0,
+          "quant": 0, "chunk": 1, "residual": 1, "cert_tokens": 1, "read_tokens": 1, "toy_frames": 1,
+          "segment": 2, "decode": 0, "position_clips": 0}
 #: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
 SEED_RANGE = (0, 2**32)
 #: options naming an output file, and options naming an output folder
 OUTPUT_FILES, OUTPUT_DIRS = ("json", "plot"), ("out",)
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, files: Sequence[str] = ()) -> None:
     """Fail before any work: counts below their minimum, output paths that cannot be written,
-    a CUDA device on a machine without one. Raises ``ValueError`` / ``RuntimeError`` (exit 2)."""
+    a CUDA device on a machine without one. Raises :class:`UsageError` (exit 2). ``files``:
+    options that name an output file for this command although :data:`OUTPUT_DIRS` lists them
+    (a command's ``OUTPUT_FILES``)."""
     for name, minimum in COUNTS.items():
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     seed = getattr(args, "seed", None)
     if seed is not None and seed < SEED_RANGE[0]:
-        raise ValueError(f"--seed must be >= 0, got {seed}")
+        raise UsageError(f"--seed must be >= 0, got {seed}")
     if seed is not None and seed >= SEED_RANGE[1]:
-        raise ValueError(f"--seed must be < 2**32 (a 32-bit seed), got {seed}")
+        raise UsageError(f"--seed must be < 2**32 (a 32-bit seed), got {seed}")
     for name in OUTPUT_FILES + OUTPUT_DIRS:
         value = getattr(args, name, None)
         if value is not None:
-            _check_writable(f"--{name}", Path(value), folder=name in OUTPUT_DIRS)
+            _check_writable(f"--{name}", Path(value), folder=name in OUTPUT_DIRS and name not in files)
     device = getattr(args, "device", None)
     if isinstance(device, str):
         import torch
@@ -88,30 +98,31 @@ def check_args(args: argparse.Namespace) -> None:
         try:
             kind = torch.device(device).type
         except RuntimeError:
-            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}") from None
+            raise UsageError(f"--device must be cpu or cuda (cuda:N), got {device!r}") from None
         if kind not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda (cuda:N), got {device!r}")
+            raise UsageError(f"--device must be cpu or cuda (cuda:N), got {device!r}")
     if isinstance(device, str) and device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError(f"--device {device}: this torch build or machine has no CUDA device; use --device cpu")
+            raise UsageError(f"--device {device}: this torch build or machine has no CUDA device; use --device cpu")
 
 
 def _check_writable(flag: str, path: Path, folder: bool) -> None:
     if path.exists() and (path.is_dir() != folder):
-        raise ValueError(f"{flag} {path}: is {'a file' if folder else 'a folder'}, expected {'a folder' if folder else 'a file'}")
+        raise UsageError(f"{flag} {path}: is {'a file' if folder else 'a folder'}, expected {'a folder' if folder else 'a file'}")
     ancestor = path if folder else path.parent
     while not ancestor.exists():
         if ancestor.parent == ancestor:
             break
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OSError(f"{flag} {path}: cannot write there ({ancestor} is not a writable folder)")
+        raise UsageError(f"{flag} {path}: cannot write there ({ancestor} is not a writable folder)")
 
 
-#: what the lab needs beyond torch (the ``lab`` extra of pyproject.toml)
-LAB_EXTRA = ("numpy", "rich", "matplotlib", "safetensors")
+#: what the commands import beyond torch, and the extra of pyproject.toml that installs it
+EXTRAS = {"numpy": "lab", "rich": "lab", "matplotlib": "lab", "safetensors": "lab", "transformers": "eval",
+          "gguf": "eval", "accelerate": "eval", "diffusers": "diffusers"}
 
 
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -136,23 +147,28 @@ def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; its exit status. A :class:`UsageError` (or a missing optional
+    dependency) is one line on stderr and status 2; any other exception propagates (a bug: the
+    interpreter prints its traceback and exits with status 1)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args._given = given_options(parser, argv)
     try:
-        check_args(args)
         module = importlib.import_module(f"streamkv.lab.commands.{args._module}")
+        check_args(args, files=getattr(module, "OUTPUT_FILES", ()))
         if hasattr(module, "check"):
             module.check(args)
         return int(module.run(args) or 0)
-    except ModuleNotFoundError as exc:
-        if exc.name not in LAB_EXTRA:
-            raise
-        print(f"streamkv {args.command}: error: the lab needs {exc.name}: pip install 'streamkv[lab]'", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+    except UsageError as exc:
         print(f"streamkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").partition(".")[0]
+        if root not in EXTRAS:
+            raise
+        print(f"streamkv {args.command}: error: this command needs {root}: pip install 'streamkv[{EXTRAS[root]}]'",
+              file=sys.stderr)
         return 2
 
 

@@ -8,12 +8,16 @@ model of the stream kept here:
   the format's round trip of its committed write elsewhere;
 - ``attend`` (block by block, causal or not) equals float64 attention over the stored values;
 - a refused write changes nothing.
+
+``streamkv fuzz --quant N`` runs ``N`` such streams beside the fuzzer's layouts (mismatches
+counted, not raised).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import time
 from typing import Any
 
 import torch
@@ -50,77 +54,106 @@ def _reference(q, read, k, v, causal):
     return (s.masked_fill(hide, -math.inf).softmax(-1) @ vt).transpose(1, 2)
 
 
-def fuzz_quant(cases: int = 20, steps: int = 14, seed: int = 0) -> dict[str, Any]:
-    """Run ``cases`` random streams (see the module docstring); raises ``AssertionError`` on the
-    first mismatch. Returns counts."""
+def fuzz_quant(cases: int = 20, steps: int = 14, seed: int = 0, *, keep_going: bool = False,
+               progress=None) -> dict[str, Any]:
+    """Run ``cases`` random streams (see the module docstring). A mismatch raises
+    ``AssertionError`` at once, or with ``keep_going`` ends that case only and is counted
+    (``mismatches``; the first few in ``failures``: what the CLI reports). Returns counts."""
+    t0 = time.perf_counter()
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
+    checked = refused = mismatches = 0
+    failures: list[str] = []
+    formats: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    for i in range(cases):
+        try:
+            c, r, kind, fmt = _case(rng, g, steps)
+        except AssertionError as exc:
+            if not keep_going:
+                raise
+            mismatches += 1
+            if len(failures) < 5:
+                failures.append(f"quant case {i}: {exc}")
+        else:
+            checked, refused = checked + c, refused + r
+            formats[fmt] = formats.get(fmt, 0) + 1
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if progress is not None:
+            progress(i + 1)
+    return {"cases": cases, "slots_checked": checked, "refused_writes": refused, "mismatches": mismatches,
+            "kinds": kinds, "formats": formats, "failures": failures, "seconds": time.perf_counter() - t0}
+
+
+def _case(rng: random.Random, g: torch.Generator, steps: int) -> tuple[int, int, str, str]:
+    """One random stream; ``(slots checked, refused writes, kind, format)``; ``AssertionError`` on
+    a mismatch."""
     checked = refused = 0
-    for _ in range(cases):
-        kind = rng.choice(list(CACHE_KINDS))
-        fmt = rng.choice(list(KV_FORMATS))
-        C = rng.randint(1, 4)
-        sink = rng.randint(0, 3)
-        window = rng.randint(2 * C, 3 * C + 4)
-        H, D = rng.choice([1, 2, 3]), rng.choice([4, 8])
-        quant = KVQuant(fmt, residual=rng.choice([0, 1, C, 2 * C + 1]), sinks=rng.random() < 0.7,
-                        basis=rng.choice(["identity", "hadamard"]), group=rng.choice([None, D // 2]))
-        params = {"tau": 0.05} if kind == "mass" else {}
-        cache = KVCache((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink, window=window,
-                        chunk=C, policy=kind, quant=quant, **params)
-        hist: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        hot: set[int] = set()
-        for _ in range(steps):
-            op = rng.random()
-            if op < 0.06:
-                cache.reset()
-                hist.clear()
-                hot.clear()
-                continue
-            if op < 0.12 and not cache.is_open and cache.end:
-                state = cache.state_dict()
-                other = KVCache((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink,
-                                window=window, chunk=C, policy=kind, quant=quant, **params)
-                other.load_state_dict(state)
-                cache = other
-            chunked = cache.end % C == 0 and rng.random() < 0.7
-            if chunked:
-                c = cache.next_chunk - (1 if cache.end and cache.last_span[1] == C and rng.random() < 0.3 else 0)
-                reopen = c < cache.next_chunk
-                cache.begin_chunk(c)
-            else:
-                reopen = False
-                cache.begin_tokens(rng.randint(1, C))
-            start, n = cache.open_span
-            hot |= set(range(start, start + n))
-            for _ in range(rng.randint(1, 2)):
-                k, v, q = (torch.randn(1, n, H, D, generator=g) * 2 for _ in range(3))
-                if rng.random() < 0.15:  # a refused write changes nothing
-                    before = cache.state_dict()
-                    try:
-                        cache.write(torch.randn(1, n + 1, H, D), torch.randn(1, n + 1, H, D))
-                    except ValueError:
-                        refused += 1
-                    after = cache.state_dict()
-                    assert all(torch.equal(before[x], after[x]) for x in before if isinstance(before[x], torch.Tensor))
-                read = cache.layer(0).update(k, v, q)
-                for i in range(n):
-                    hist[start + i] = (k[:, i], v[:, i])
-                causal = rng.random() < 0.5
-                out, _ = attend(q, read, causal=causal, block=rng.randint(1, 6))
-                ref = _reference(q, read, cache.keys(0), cache.values(0), causal)
-                assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (kind, fmt, (out.double() - ref).abs().max())
-            pos, kx, vx = cache.layer_slot_positions(0), cache.keys(0), cache.values(0)
-            for h in range(H):
-                for s in range(pos.shape[1]):
-                    p = int(pos[h, s])
-                    if p < 0:
-                        continue
-                    for which, got, orig in (("k", kx[:, s, h], hist[p][0][:, h]), ("v", vx[:, s, h], hist[p][1][:, h])):
-                        want = orig.float() if p in hot or (quant.sinks and p < sink) else round_trip(quant, which, orig)
-                        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (kind, fmt, quant, p, reopen)
-                        checked += 1
-            cache.commit()
-            end = cache.end
-            hot = {p for p in hot if p >= end - quant.residual}
-    return {"cases": cases, "slots_checked": checked, "refused_writes": refused}
+    kind = rng.choice(list(CACHE_KINDS))
+    fmt = rng.choice(list(KV_FORMATS))
+    C = rng.randint(1, 4)
+    sink = rng.randint(0, 3)
+    window = rng.randint(2 * C, 3 * C + 4)
+    H, D = rng.choice([1, 2, 3]), rng.choice([4, 8])
+    quant = KVQuant(fmt, residual=rng.choice([0, 1, C, 2 * C + 1]), sinks=rng.random() < 0.7,
+                    basis=rng.choice(["identity", "hadamard"]), group=rng.choice([None, D // 2]))
+    params = {"tau": 0.05} if kind == "mass" else {}
+    cache = KVCache((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink, window=window,
+                    chunk=C, policy=kind, quant=quant, **params)
+    hist: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    hot: set[int] = set()
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.06:
+            cache.reset()
+            hist.clear()
+            hot.clear()
+            continue
+        if op < 0.12 and not cache.is_open and cache.end:
+            state = cache.state_dict()
+            other = KVCache((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink,
+                            window=window, chunk=C, policy=kind, quant=quant, **params)
+            other.load_state_dict(state)
+            cache = other
+        chunked = cache.end % C == 0 and rng.random() < 0.7
+        if chunked:
+            c = cache.next_chunk - (1 if cache.end and cache.last_span[1] == C and rng.random() < 0.3 else 0)
+            reopen = c < cache.next_chunk
+            cache.begin_chunk(c)
+        else:
+            reopen = False
+            cache.begin_tokens(rng.randint(1, C))
+        start, n = cache.open_span
+        hot |= set(range(start, start + n))
+        for _ in range(rng.randint(1, 2)):
+            k, v, q = (torch.randn(1, n, H, D, generator=g) * 2 for _ in range(3))
+            if rng.random() < 0.15:  # a refused write changes nothing
+                before = cache.state_dict()
+                try:
+                    cache.write(torch.randn(1, n + 1, H, D), torch.randn(1, n + 1, H, D))
+                except ValueError:
+                    refused += 1
+                after = cache.state_dict()
+                assert all(torch.equal(before[x], after[x]) for x in before if isinstance(before[x], torch.Tensor)), (
+                    kind, fmt, "a refused write changed the state")
+            read = cache.layer(0).update(k, v, q)
+            for i in range(n):
+                hist[start + i] = (k[:, i], v[:, i])
+            causal = rng.random() < 0.5
+            out, _ = attend(q, read, causal=causal, block=rng.randint(1, 6))
+            ref = _reference(q, read, cache.keys(0), cache.values(0), causal)
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5), (kind, fmt, (out.double() - ref).abs().max())
+        pos, kx, vx = cache.layer_slot_positions(0), cache.keys(0), cache.values(0)
+        for h in range(H):
+            for s in range(pos.shape[1]):
+                p = int(pos[h, s])
+                if p < 0:
+                    continue
+                for which, got, orig in (("k", kx[:, s, h], hist[p][0][:, h]), ("v", vx[:, s, h], hist[p][1][:, h])):
+                    want = orig.float() if p in hot or (quant.sinks and p < sink) else round_trip(quant, which, orig)
+                    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (kind, fmt, quant, p, reopen)
+                    checked += 1
+        cache.commit()
+        end = cache.end
+        hot = {p for p in hot if p >= end - quant.residual}
+    return checked, refused, kind, fmt

@@ -1,4 +1,4 @@
-"""Shared CLI helpers: JSON output, the console."""
+"""Shared CLI helpers: JSON output, the console, the toy weights' check."""
 
 from __future__ import annotations
 
@@ -22,3 +22,27 @@ def console():
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=120)
+
+
+def toy_weights_horizon(weights: str | Path | None = None, flag: str = "--weights") -> int:
+    """The training window recorded in the toy video model's weights (``None``: the packaged
+    weights); a missing or unreadable file is a :class:`~streamkv.lab.errors.UsageError` naming
+    it, raised before any work."""
+    from safetensors import SafetensorError
+
+    from streamkv.lab.errors import UsageError
+    from streamkv.lab.video.toy import WEIGHTS, training_horizon
+
+    path = Path(weights) if weights is not None else WEIGHTS
+    if not path.is_file():
+        if weights is None:
+            raise UsageError(f"no toy weights at {path}: they live in the source repository "
+                             f"(src/streamkv/lab/video/weights/, not in the wheel); run from a clone, pass {flag}, "
+                             f"or run streamkv train-toy to produce them")
+        raise UsageError(f"{flag} {path}: no such file (streamkv train-toy writes the weights)")
+    try:
+        return training_horizon(path)
+    except ValueError as exc:  # the file does not record its training window (the message names it)
+        raise UsageError(f"{flag}: {exc}") from None
+    except (SafetensorError, OSError) as exc:  # not a safetensors file, or not readable
+        raise UsageError(f"{flag} {path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None

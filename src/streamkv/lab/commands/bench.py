@@ -33,6 +33,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also price the scored kinds' maintenance (mass, H2O, TOVA) against the ring, by phase")
 
 
+def check(args: argparse.Namespace) -> None:
+    """Options that would do nothing in the sections this run skips are refused before any work
+    (:class:`~streamkv.lab.errors.UsageError`)."""
+    from streamkv.lab.errors import UsageError
+
+    given = getattr(args, "_given", set())
+    unused = []
+    if args.no_scaling:
+        unused += [f"--{n.replace('_', '-')}" for n in ("scaling_repeats", "plot") if n in given]
+    if args.no_counts and "no_compiled_counts" in given:
+        unused.append("--no-compiled-counts")
+    if unused:
+        raise UsageError(f"{', '.join(unused)}: of a section this run skips (--no-scaling: the window sweep and its "
+                         f"plot; --no-counts: the counts, compiled or not); leave it out")
+
+
 def run(args: argparse.Namespace) -> int:
     from streamkv.lab.bench import BenchOptions, plot_scaling, print_report, run_bench
     from streamkv.lab.commands._common import console as make_console

@@ -162,18 +162,18 @@ def _per_head(console, title: str, sec: dict) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Every bound before any work (``ValueError``)."""
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`)."""
     import math
 
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    from streamkv.lab.errors import UsageError
+
     if not 2 <= args.dit_chunks <= 32:
-        raise ValueError(f"--dit-chunks must be in [2, 32] (the tiny model's RoPE horizon), got {args.dit_chunks}")
+        raise UsageError(f"--dit-chunks must be in [2, 32] (the tiny model's RoPE horizon), got {args.dit_chunks}")
     if args.dit_window_frames < 4:
-        raise ValueError(f"--dit-window-frames must be >= 4 (the mass cache holds two 2-frame chunks), got "
+        raise UsageError(f"--dit-window-frames must be >= 4 (the mass cache holds two 2-frame chunks), got "
                          f"{args.dit_window_frames}")
     if not (math.isfinite(args.query_scale) and args.query_scale >= 0):
-        raise ValueError(f"--query-scale must be a finite number >= 0 (0 skips the variant), got {args.query_scale}")
+        raise UsageError(f"--query-scale must be a finite number >= 0 (0 skips the variant), got {args.query_scale}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from streamkv.lab.errors import UsageError, usage_errors
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real", action="store_true",
@@ -84,7 +86,7 @@ def _datasets(args: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     bad = [n for n in names if n not in ("smollm2", "video", "toy")]
     if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"--datasets must name some of smollm2, video, toy (each once), got {args.datasets!r}")
+        raise UsageError(f"--datasets must name some of smollm2, video, toy (each once), got {args.datasets!r}")
     return names
 
 
@@ -92,9 +94,9 @@ def _lm_layers(args: argparse.Namespace) -> list[int]:
     try:
         layers = [int(x) for x in args.lm_layers.split(",")]
     except ValueError:
-        raise ValueError(f"--lm-layers must be comma-separated integers, got {args.lm_layers!r}") from None
+        raise UsageError(f"--lm-layers must be comma-separated integers, got {args.lm_layers!r}") from None
     if any(x < 0 or x > 29 for x in layers) or len(set(layers)) != len(layers):
-        raise ValueError(f"--lm-layers must be distinct layers of SmolLM2's 0..29, got {args.lm_layers!r}")
+        raise UsageError(f"--lm-layers must be distinct layers of SmolLM2's 0..29, got {args.lm_layers!r}")
     return layers
 
 
@@ -112,14 +114,14 @@ def _real_tau(args: argparse.Namespace) -> float | None:
 
 def check(args: argparse.Namespace) -> None:
     """Every option of the mode that runs is checked, and every option of the other mode refused,
-    before any work (``ValueError``)."""
+    before any work (:class:`~streamkv.lab.errors.UsageError`): no model is loaded first."""
     from streamkv.budget.mass import check_tau
 
     given = getattr(args, "_given", set())
     if args.real:
         wrong = [n for n in PLAIN_ONLY if n in given]
         if wrong:
-            raise ValueError(f"{_flags(wrong)}: options of the certified rollouts, not of --real (the two-tier "
+            raise UsageError(f"{_flags(wrong)}: options of the certified rollouts, not of --real (the two-tier "
                              f"comparison); leave them out")
         names = _datasets(args)
         lm = "smollm2" in names or args.perplexity
@@ -129,44 +131,70 @@ def check(args: argparse.Namespace) -> None:
         unused += [n for n in ("toy_frames",) if n in given and "toy" not in names]
         unused += [n for n in ("seed",) if n in given and not {"video", "toy"} & set(names)]
         if unused:
-            raise ValueError(f"{_flags(unused)}: apply to datasets (or --perplexity) this run does not include "
+            raise UsageError(f"{_flags(unused)}: apply to datasets (or --perplexity) this run does not include "
                              f"(--datasets {args.datasets}); leave them out")
         _lm_layers(args)
         if "toy" in names:
+            from streamkv.lab.commands._common import toy_weights_horizon
             from streamkv.lab.video.config import CONTEXT_FRAMES
             from streamkv.models.config import get_config
 
             toy = get_config("toy")
             if (args.toy_frames % toy.frames_per_chunk or args.toy_frames <= CONTEXT_FRAMES
                     or args.toy_frames + toy.sink_frames > toy.max_frames):
-                raise ValueError(f"--toy-frames must be a multiple of {toy.frames_per_chunk} (the toy model's chunk), "
+                raise UsageError(f"--toy-frames must be a multiple of {toy.frames_per_chunk} (the toy model's chunk), "
                                  f"> {CONTEXT_FRAMES} (its context) and <= {toy.max_frames - toy.sink_frames} (its "
                                  f"RoPE horizon), got {args.toy_frames}")
+            toy_weights_horizon(None, flag="the toy video model's weights")
         if args.tokens % args.lm_chunk or args.tokens > 8192:
-            raise ValueError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "
+            raise UsageError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "
                              f"got {args.tokens} and {args.lm_chunk}")
+        if "smollm2" in names:
+            _check_lm_chunk(args.lm_chunk)
         if _real_tau(args) is not None:
-            check_tau(args.tau, "--tau")
+            with usage_errors():
+                check_tau(args.tau, "--tau")
         if args.perplexity:
-            _lm_config(args).check()
+            with usage_errors():  # the perplexity run's settings, named
+                _lm_config(args).check()
         return
     wrong = [n for n in REAL_ONLY if n in given]
     if wrong:
-        raise ValueError(f"{_flags(wrong)}: options of --real (the two-tier comparison); add --real or leave them out")
-    check_tau(args.tau, "--tau")
-    check_tau(args.budget_tau, "--budget-tau")
+        raise UsageError(f"{_flags(wrong)}: options of --real (the two-tier comparison); add --real or leave them out")
+    with usage_errors():
+        check_tau(args.tau, "--tau")
+        check_tau(args.budget_tau, "--budget-tau")
     if "recall_slots" in given and not args.recall:
-        raise ValueError("--recall-slots bounds the recall slots: it needs --recall")
+        raise UsageError("--recall-slots bounds the recall slots: it needs --recall")
     if "budget_tau" in given and args.cache != "mass":
-        raise ValueError(f"--budget-tau is the mass cache's own budget: it needs --cache mass, got --cache {args.cache}")
+        raise UsageError(f"--budget-tau is the mass cache's own budget: it needs --cache mass, got --cache {args.cache}")
     boxes = [n for n in ("box_dtype", "pool_events", "max_blocks") if n in given]
     if args.sketch_bits is not None and boxes:
-        raise ValueError(f"{_flags(boxes)}: options of the block boxes, which --sketch-bits replaces; leave them out")
+        raise UsageError(f"{_flags(boxes)}: options of the block boxes, which --sketch-bits replaces; leave them out")
+    from streamkv.caches import CACHE_KINDS
     from streamkv.models.config import get_config
 
+    if args.cache not in CACHE_KINDS:
+        raise UsageError(f"--cache must be one of {list(CACHE_KINDS)}, got {args.cache!r}")
     horizon = get_config("tiny").max_chunks
     if args.dit_chunks is not None and args.dit_chunks > horizon:
-        raise ValueError(f"--dit-chunks must be <= {horizon} (the tiny DiT's RoPE horizon), got {args.dit_chunks}")
+        raise UsageError(f"--dit-chunks must be <= {horizon} (the tiny DiT's RoPE horizon), got {args.dit_chunks}")
+
+
+def _check_lm_chunk(chunk: int) -> None:
+    """``--lm-chunk`` against every SmolLM2 two-tier configuration's device budget (its policy's
+    own minimum window), before the model loads."""
+    from streamkv.layout import CacheLayout
+    from streamkv.policies import make_policy
+
+    from streamkv.lab.experiments.twotier import DEFAULT_CONFIGS
+    from streamkv.lab.kinds import kind_params
+
+    for cfg in DEFAULT_CONFIGS["smollm2"]:
+        policy = make_policy(cfg.policy, **kind_params(cfg.policy, tau=cfg.tau))
+        with usage_errors(what=f"--lm-chunk {chunk} does not fit the SmolLM2 two-tier budget ({cfg.policy}, sink "
+                               f"{cfg.sink} + window {cfg.window})"):
+            policy.check_layout(CacheLayout(sink=cfg.sink, window=cfg.window, chunk=chunk))
 
 
 def _real(args: argparse.Namespace) -> int:
@@ -297,12 +325,6 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.env import environment
 
     check(args)
-    for name in ("recall_slots", "dit_chunks", "max_blocks", "synthetic_frames"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.pool_events < 0 or args.block_tokens < 1 or args.every < 1 or args.seed < 0:
-        raise ValueError("--pool-events must be >= 0, --block-tokens and --every >= 1, --seed >= 0")
     summary = SummaryOptions(box_dtype=args.box_dtype, pool_events=args.pool_events or None,
                              block_tokens=args.block_tokens, max_blocks=args.max_blocks, sketch_bits=args.sketch_bits)
     console = Console()

@@ -18,6 +18,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames the trained toy streams (default 64: 4x its 16-frame training window)")
     p.add_argument("--headline-repeats", type=int, default=8,
                    help="timed steps per cache of the Self-Forcing layer (default 8)")
+    p.add_argument("--weights", default=None,
+                   help="the toy video model's weights (default: the packaged toy weights; streamkv train-toy "
+                        "writes them)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`): the tiny DiT's
+    RoPE horizon (``--chunks``), the toy video stream's length, the toy weights file."""
+    from streamkv.lab.commands._common import toy_weights_horizon
+    from streamkv.lab.errors import UsageError
+    from streamkv.models.config import get_config
+
+    horizon = get_config("tiny").max_chunks
+    if args.chunks > horizon:
+        raise UsageError(f"--chunks must be <= {horizon} (the tiny model's RoPE horizon in chunks), got {args.chunks}")
+    top = get_config("toy").max_frames
+    if args.video_frames < 8 or args.video_frames % 2 or args.video_frames > top:
+        raise UsageError(f"--video-frames must be an even number in [8, {top}] (the toy model's RoPE horizon), got "
+                         f"{args.video_frames}")
+    toy_weights_horizon(args.weights)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,13 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.env import environment, threads
     from streamkv.lab.experiments.rollout_compare import compare_rollouts
 
+    check(args)
     out = Path(args.out)
-    if args.video_frames < 8 or args.video_frames % 2:
-        raise ValueError(f"--video-frames must be an even number >= 8, got {args.video_frames}")
-    if args.chunks < 1:
-        raise ValueError(f"--chunks must be >= 1, got {args.chunks}")
-    if args.headline_repeats < 1:
-        raise ValueError(f"--headline-repeats must be >= 1, got {args.headline_repeats}")
     console = make_console()
     threads_default = torch.get_num_threads()
     # the tiny DiT: one thread (its ops are tiny; intra-op threads only add synchronisation)
@@ -60,18 +75,20 @@ def run(args: argparse.Namespace) -> int:
     plot_runs(result, str(out / "demo_rollout.png"))
     write_json(out / "demo.json", {**rollout, "headline": headline, "versions": environment()})
     console.print(f"wrote {out / 'demo.png'} (the headline), {out / 'demo_rollout.png'}, {out / 'demo.json'}")
-    return _video(out, args.video_frames)
+    return _video(out, args.video_frames, args.weights)
 
 
-def _video(out, frames: int) -> int:
+def _video(out, frames: int, weights: str | None = None) -> int:
     from streamkv.lab.commands._common import console as make_console
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import threads
     from streamkv.lab.video.demo import video_demo
+    from streamkv.lab.video.toy import WEIGHTS
 
     console = make_console()
     with threads(1), console.status("") as status:
-        result = video_demo(out, frames=frames, progress=lambda what: status.update(f"toy video: streaming {what}"))
+        result = video_demo(out, frames=frames, weights=weights or WEIGHTS,
+                            progress=lambda what: status.update(f"toy video: streaming {what}"))
     write_json(out / "demo_video.json", result)
     c = result["clip"]
     console.print(

@@ -1,4 +1,6 @@
-"""``streamkv fuzz``: the differential fuzzer over every cache kind (see :mod:`streamkv.lab.fuzz`)."""
+"""``streamkv fuzz``: the differential fuzzer over every cache kind (see :mod:`streamkv.lab.fuzz`),
+with the position-map hook (``--positions``, :mod:`streamkv.lab.fuzz_positions`) and the
+quantised-storage hook (``--quant``, :mod:`streamkv.lab.fuzz_quant`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the layouts and calls (default 0)")
     p.add_argument("--positions", type=int, default=0,
                    help="random position-map layouts too (raw keys rotated at read, every registry map; default 0)")
+    p.add_argument("--quant", type=int, default=0,
+                   help="random quantised-storage streams too (every kind x format of streamkv.quant.KV_FORMATS, "
+                        "residuals, spans, reopens, resets, state dicts; default 0)")
     p.add_argument("--json", metavar="PATH", help="write the counts as JSON")
 
 
@@ -22,16 +27,34 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment, threads
     from streamkv.lab.fuzz import run_fuzz
+    from streamkv.lab.fuzz_quant import fuzz_quant
 
     console = make_console()
     with threads(1), torch.no_grad(), Progress(console=console, transient=True) as progress:
         task = progress.add_task("layouts", total=args.layouts)
         result = run_fuzz(args.layouts, seed=args.seed, calls=args.calls,
                           progress=lambda i: progress.update(task, completed=i), positions=args.positions)
+        quant = None
+        if args.quant:
+            qtask = progress.add_task("quantised streams", total=args.quant)
+            quant = fuzz_quant(args.quant, seed=args.seed, keep_going=True,
+                               progress=lambda i: progress.update(qtask, completed=i))
     data = result.to_json()
+    if quant is not None:
+        data["quant"] = quant
+        data["mismatches"] += quant["mismatches"]
+        data["failures"] += quant["failures"]
     for key in ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
                 "mismatches", "certified_layouts", "observer_faults", "certificate_undercounts"):
         console.print(f"{key:>30}: {data[key]:,}")
+    if data["positions"]:
+        p = data["positions"]
+        console.print(f"{'position-map layouts':>30}: {p['layouts']:,} ({p['comparisons']:,} comparisons, max |diff| "
+                      f"{p['max_abs_diff']:.2g}, {p['mismatches']} mismatches)")
+    if quant is not None:
+        console.print(f"{'quantised streams':>30}: {quant['cases']:,} ({quant['slots_checked']:,} slots checked, "
+                      f"{quant['refused_writes']} refused writes, {quant['mismatches']} mismatches, "
+                      f"{quant['seconds']:.1f} s; formats {quant['formats']})")
     console.print(f"{'seconds':>30}: {data['seconds']:.1f}")
     console.print(f"{'layouts per kind':>30}: {data['kinds']}")
     for line in data["failures"]:

@@ -122,19 +122,24 @@ TEXT_TOKENS = 288_962
 
 
 def check(args: argparse.Namespace) -> None:
-    """Every bound before any work (``ValueError``): the settings (:meth:`LMEvalConfig.check` at
-    SmolLM2's 8,192-token context), the text's length, options that would be ignored."""
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`): the settings
+    (:meth:`LMEvalConfig.check` at SmolLM2's 8,192-token context), the text's length, options that
+    would be ignored. The default kinds are resolved first (:meth:`LMEvalConfig.run_kinds`)."""
+    from streamkv.lab.errors import UsageError, usage_errors
+
     cfg = config(args)
-    cfg.check(8192)
+    with usage_errors():  # LMEvalConfig names the setting it refuses
+        cfg.check(8192)
+        kinds = cfg.run_kinds()
     if args.offset < 0 or args.threads < 1:
-        raise ValueError(f"--offset must be >= 0 and --threads >= 1, got {args.offset} and {args.threads}")
+        raise UsageError(f"--offset must be >= 0 and --threads >= 1, got {args.offset} and {args.threads}")
     if args.offset + cfg.tokens > TEXT_TOKENS:
-        raise ValueError(f"--offset {args.offset} + --tokens {cfg.tokens} pass the end of the text ({TEXT_TOKENS} "
+        raise UsageError(f"--offset {args.offset} + --tokens {cfg.tokens} pass the end of the text ({TEXT_TOKENS} "
                          f"tokens)")
-    if len(set(cfg.kinds)) != len(cfg.kinds):
-        raise ValueError(f"--kinds must name each kind once, got {','.join(cfg.kinds)}")
-    if args.taus is not None and "mass" not in cfg.kinds:
-        raise ValueError(f"--taus are the mass cache's: they need 'mass' in --kinds, got {','.join(cfg.kinds)}")
+    if len(set(kinds)) != len(kinds):
+        raise UsageError(f"--kinds must name each kind once, got {','.join(kinds)}")
+    if args.taus is not None and "mass" not in kinds:
+        raise UsageError(f"--taus are the mass cache's: they need 'mass' in --kinds, got {','.join(kinds)}")
 
 
 def payload(result: dict, model_info: dict, text_info: dict, command: str, wall_s: float, versions: dict) -> dict:
@@ -171,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
     logging.disable_progress_bar()  # transformers' bars
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF conversion's tqdm bars
     model, tok = load_smollm2()
-    cfg.check(model.config.max_position_embeddings)
+    from streamkv.lab.errors import usage_errors
+
+    with usage_errors():
+        cfg.check(model.config.max_position_embeddings)
     ids = text_tokens(tok, moby_dick(), args.offset + cfg.tokens)[:, args.offset:]
     mc = model.config
     model_info = {**SMOLLM2, "layers": mc.num_hidden_layers, "heads": mc.num_attention_heads,

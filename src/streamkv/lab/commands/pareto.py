@@ -28,8 +28,6 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
 
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     console = Console()
     if not console.is_terminal:  # logs and pipes: wide enough that the tables do not wrap
         console = Console(width=max(console.width, 132))

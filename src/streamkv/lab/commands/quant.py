@@ -25,23 +25,103 @@ ms_per_chunk; then "targets" (each issue target, met or not, with its numbers).
 """
 
 
+#: the sizes --quick sets where the option is not given (explicit options win), and the defaults
+QUICK = {"tokens": 512, "clips": 1, "frames": 16, "read_tokens": 1024, "cert_tokens": 512}
+DEFAULTS = {"tokens": 2048, "clips": 2, "frames": 32, "read_tokens": 4096, "cert_tokens": 1024}
+#: the parts (``--skip``): the options each one alone uses; peers and certificates are parts of smollm2
+PARTS = {"read": ("read_tokens",), "smollm2": ("tokens", "residual", "error_stride"),
+         "peers": (), "certificates": ("cert_tokens",), "video": ("clips", "frames")}
+SINK = 4  # the SmolLM2 caches' sinks (run_lm's and the read benchmark's)
+CONTEXT = 8192  # SmolLM2's trained context
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("--tokens", type=int, default=2048, help="SmolLM2 tokens (one segment; default 2048)")
+    q = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"SmolLM2 tokens (one segment; default {DEFAULTS['tokens']})")
     p.add_argument("--chunk", type=int, default=64, help="span / cache chunk in tokens (default 64)")
     p.add_argument("--residual", type=int, default=128,
                    help="full-precision tokens of transformers' QuantizedCache, and ours (open span included)")
-    p.add_argument("--cert-tokens", type=int, default=1024, help="tokens of the certified runs (default 1024)")
+    p.add_argument("--cert-tokens", type=int, default=None,
+                   help=f"tokens of the certified runs (default {DEFAULTS['cert_tokens']})")
     p.add_argument("--error-stride", type=int, default=16, help="attention error at every k-th position")
-    p.add_argument("--read-tokens", type=int, default=4096, help="cached tokens of the read benchmark")
-    p.add_argument("--clips", type=int, default=2, help="toy video clips (default 2)")
-    p.add_argument("--frames", type=int, default=32, help="frames per toy clip (default 32)")
+    p.add_argument("--read-tokens", type=int, default=None,
+                   help=f"cached tokens of the read benchmark (default {DEFAULTS['read_tokens']})")
+    p.add_argument("--clips", type=int, default=None, help=f"toy video clips (default {DEFAULTS['clips']})")
+    p.add_argument("--frames", type=int, default=None, help=f"frames per toy clip (default {DEFAULTS['frames']})")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: read, smollm2, peers, video, certificates")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 512 tokens, 1 clip of 16 frames, 1024-token read")
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {q} (explicit options win)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", default="out/quant.json", help="result JSON (default out/quant.json)")
     p.add_argument("--plot", default="out/quant.png", help="plot PNG (default out/quant.png)")
+
+
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The sizes of the run: each option given, else ``--quick``'s, else the default."""
+    preset = QUICK if args.quick else DEFAULTS
+    return {name: getattr(args, name) if getattr(args, name) is not None else preset[name] for name in DEFAULTS}
+
+
+def skipped(args: argparse.Namespace) -> set[str]:
+    """The parts ``--skip`` names (checked)."""
+    from streamkv.lab.errors import UsageError
+
+    names = [s.strip() for s in args.skip.split(",") if s.strip()]
+    bad = sorted(set(names) - set(PARTS))
+    if bad or len(set(names)) != len(names):
+        raise UsageError(f"--skip takes read, smollm2, peers, video, certificates (each once); got {args.skip!r}")
+    return set(names)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`): the parts to skip
+    (not all of them; an option only a skipped part uses is refused), the sizes of the parts that
+    run against each other (chunk, residual, SmolLM2's context, the caches' minimum windows), the
+    toy model's horizon and weights."""
+    from streamkv.lab.commands._common import toy_weights_horizon
+    from streamkv.lab.errors import UsageError
+    from streamkv.lab.video.config import CONTEXT_FRAMES
+    from streamkv.models.config import get_config
+
+    skip = skipped(args)
+    given = getattr(args, "_given", set())
+    if {"read", "smollm2", "video"} <= skip:
+        raise UsageError(f"--skip {args.skip}: skips every part (read, smollm2, video); nothing would run")
+    within = sorted(skip & {"peers", "certificates"}) if "smollm2" in skip else []
+    if within:
+        raise UsageError(f"--skip {','.join(within)}: part of smollm2, which --skip already skips (leave it out)")
+    running = {"smollm2", "read", "video"} - skip
+    if "smollm2" in running:
+        running |= {"peers", "certificates"} - skip
+    unused = [n for n in dict.fromkeys(o for part, opts in PARTS.items() for o in opts)
+              if n in given and not any(n in PARTS[part] for part in running)]
+    if "chunk" in given and not {"read", "smollm2"} & running:
+        unused.append("chunk")
+    if unused:
+        it = "it" if len(unused) == 1 else "them"
+        raise UsageError(f"{', '.join('--' + n.replace('_', '-') for n in unused)}: only parts this run skips (--skip "
+                         f"{args.skip}) use {it}; leave {it} out")
+    sz, chunk = sizes(args), args.chunk
+    if "read" in running and (sz["read_tokens"] % chunk or sz["read_tokens"] < chunk + SINK):
+        raise UsageError(f"--read-tokens must be a multiple of --chunk ({chunk}) and >= chunk + {SINK} sinks, got "
+                         f"{sz['read_tokens']}")
+    if "smollm2" in running:
+        if sz["tokens"] % chunk or not chunk + SINK <= sz["tokens"] <= CONTEXT:
+            raise UsageError(f"--tokens must be a multiple of --chunk ({chunk}), >= chunk + {SINK} sinks and <= "
+                             f"{CONTEXT} (SmolLM2's trained context), got {sz['tokens']}")
+        if args.residual <= chunk:
+            raise UsageError(f"--residual ({args.residual}) must be above --chunk ({chunk}): it includes the open span")
+        if "certificates" in running and sz["cert_tokens"] // 2 < chunk + SINK:
+            raise UsageError(f"--cert-tokens must be >= {2 * (chunk + SINK)}: the certified ring holds half of them, "
+                             f"at least {SINK} sinks and a chunk of {chunk}; got {sz['cert_tokens']}")
+    if "video" in running:
+        top = get_config("toy").max_frames
+        if sz["frames"] % 2 or not CONTEXT_FRAMES < sz["frames"] <= top:
+            raise UsageError(f"--frames must be even, > {CONTEXT_FRAMES} (the context frames) and <= {top} (the toy "
+                             f"model's RoPE horizon), got {sz['frames']}")
+        toy_weights_horizon(None, flag="the toy video model's weights")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,28 +136,19 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.env import environment, threads
     from streamkv.lab.experiments.quant_report import plot_quant, print_quant, targets
 
-    skip = {s for s in args.skip.split(",") if s}
-    bad = skip - {"read", "smollm2", "peers", "video", "certificates"}
-    if bad:
-        raise ValueError(f"--skip takes read, smollm2, peers, video, certificates; got {sorted(bad)}")
-    if args.quick:
-        args.tokens, args.clips, args.frames, args.read_tokens, args.cert_tokens = 512, 1, 16, 1024, 512
-    for name in ("tokens", "chunk", "clips", "frames", "read_tokens", "cert_tokens", "error_stride"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.tokens % args.chunk or args.residual <= args.chunk:
-        raise ValueError(f"--tokens ({args.tokens}) must be a multiple of --chunk ({args.chunk}) and --residual "
-                         f"({args.residual}) above it")
+    check(args)
+    skip, sz = skipped(args), sizes(args)
     t0 = time.perf_counter()
     os.environ.setdefault("TQDM_DISABLE", "1")
     log = lambda s: print(f"{time.perf_counter() - t0:7.0f} s  {s}", flush=True)  # noqa: E731
-    doc: dict = {"rows": []}
+    doc: dict = {"config": {**sz, "chunk": args.chunk, "residual": args.residual, "error_stride": args.error_stride,
+                            "skip": sorted(skip), "quick": args.quick}, "rows": []}
     with threads(args.threads):
         if "read" not in skip:
             from streamkv.lab.experiments.quant_read import describe, read_costs
 
             log("read benchmark")
-            doc["read"] = read_costs(tokens=args.read_tokens, chunk=args.chunk)
+            doc["read"] = read_costs(tokens=sz["read_tokens"], chunk=args.chunk)
             print("\n".join(describe(doc["read"])), flush=True)
         if "smollm2" not in skip:
             from transformers.utils import logging
@@ -88,17 +159,17 @@ def run(args: argparse.Namespace) -> int:
 
             logging.disable_progress_bar()
             model, tok = load_smollm2()
-            ids = text_tokens(tok, moby_dick(), args.tokens)
+            ids = text_tokens(tok, moby_dick(), sz["tokens"])
             with torch.no_grad():
                 lm = run_lm(model, ids, chunk=args.chunk, residual=args.residual, error_stride=args.error_stride,
-                            cert_tokens=args.cert_tokens, peers="peers" not in skip,
+                            cert_tokens=sz["cert_tokens"], peers="peers" not in skip,
                             certificates="certificates" not in skip, progress=log)
             doc["smollm2"] = {k: v for k, v in lm.items() if k != "rows"} | {"model": SMOLLM2}
             doc["rows"] += lm["rows"]
         if "video" not in skip:
             from streamkv.lab.experiments.quant_video import run_video
 
-            vid = run_video(clips=args.clips, frames=args.frames, progress=log)
+            vid = run_video(clips=sz["clips"], frames=sz["frames"], progress=log)
             doc["video"] = {k: v for k, v in vid.items() if k != "rows"}
             doc["rows"] += vid["rows"]
     doc["targets"] = targets(doc)

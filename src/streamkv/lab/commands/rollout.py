@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Every bound before any work (no model is built first; ``ValueError`` / ``RuntimeError``):
+    """Every bound before any work (no model is built first; :class:`~streamkv.lab.errors.UsageError`):
     the cache kinds, the mass cache's ``--tau`` (refused when no mass cache runs), the guidance,
     the model config and its RoPE horizon (``--chunks``), the mode and device, the ranks."""
     import math
@@ -54,52 +54,59 @@ def check(args: argparse.Namespace) -> None:
 
     from streamkv.budget.mass import check_tau
     from streamkv.caches import CACHE_KINDS
+    from streamkv.lab.errors import UsageError, usage_errors
 
     given = getattr(args, "_given", set())
     if args.compare and "cache" in given:
-        raise ValueError("--cache names the one cache run without --compare; --compare runs every kind (leave one out)")
+        raise UsageError("--cache names the one cache run without --compare; --compare runs every kind (leave one out)")
     kinds = available_caches() if args.compare else (args.cache,)
     bad = [k for k in kinds if k not in CACHE_KINDS]
     if bad:
-        raise ValueError(f"--cache must be one of {list(CACHE_KINDS)}, got {args.cache!r}")
+        raise UsageError(f"--cache must be one of {list(CACHE_KINDS)}, got {args.cache!r}")
     if "mass" in kinds:
-        check_tau(args.tau, "--tau")
+        with usage_errors():
+            check_tau(args.tau, "--tau")
     elif "tau" in given:
-        raise ValueError(f"--tau is the mass cache's budget: it needs --cache mass or --compare, got --cache {args.cache}")
+        raise UsageError(f"--tau is the mass cache's budget: it needs --cache mass or --compare, got --cache {args.cache}")
     if not (math.isfinite(args.guidance) and args.guidance >= 1.0):
-        raise ValueError(f"--guidance must be a finite number >= 1 (1 disables the uncond branch), got {args.guidance}")
-    distributed = args.nproc != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+        raise UsageError(f"--guidance must be a finite number >= 1 (1 disables the uncond branch), got {args.guidance}")
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if torchrun and args.nproc != 1:
+        raise UsageError(f"--nproc {args.nproc} under torchrun: the ranks are torchrun's (leave --nproc out)")
+    distributed = args.nproc != 1 or torchrun
     if args.model == "diffusers-wan":
         from streamkv.lab.experiments.diffusers_wan import WAN_CONFIGS
 
         for flag, bad_flag in (("--nproc / torchrun", distributed), ("--mode", args.mode != "eager"),
                                ("--plot", bool(args.plot))):
             if bad_flag:
-                raise ValueError(f"{flag} is not available with --model diffusers-wan (eager, one process, no plot)")
+                raise UsageError(f"{flag} is not available with --model diffusers-wan (eager, one process, no plot)")
         if args.config not in WAN_CONFIGS:
-            raise ValueError(f"unknown diffusers-wan config {args.config!r}; choose one of {sorted(WAN_CONFIGS)}")
+            raise UsageError(f"unknown diffusers-wan config {args.config!r}; choose one of {sorted(WAN_CONFIGS)}")
         geo = WAN_CONFIGS[args.config]
         horizon = geo["model"]["rope_max_seq_len"] // (geo["frames_per_chunk"] // geo["model"]["patch_size"][0])
     else:
         from streamkv.models.config import get_config
 
-        cfg = get_config(args.config)
+        with usage_errors():  # an unknown config, named with the known ones
+            cfg = get_config(args.config)
         horizon = cfg.max_chunks
         if args.mode == "graph" and not args.device.startswith("cuda"):
-            raise RuntimeError("--mode graph captures CUDA graphs: it needs --device cuda")
+            raise UsageError("--mode graph captures CUDA graphs: it needs --device cuda")
         if distributed:
             from streamkv.distributed import check_split
 
             if args.plot:
-                raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
+                raise UsageError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
             if args.nproc > 1:
-                check_split(heads=cfg.heads, chunk_tokens=cfg.chunk_tokens, world_size=args.nproc,
-                            what=f"config {cfg.name!r}: {cfg.frames_per_chunk} frames x {cfg.tokens_per_frame} "
-                                 f"tokens per chunk")
+                with usage_errors():  # heads and tokens that do not split over the ranks
+                    check_split(heads=cfg.heads, chunk_tokens=cfg.chunk_tokens, world_size=args.nproc,
+                                what=f"config {cfg.name!r}: {cfg.frames_per_chunk} frames x {cfg.tokens_per_frame} "
+                                     f"tokens per chunk")
                 if args.mode == "graph":
-                    raise RuntimeError(f"--mode graph is not supported with context parallelism (--nproc {args.nproc})")
+                    raise UsageError(f"--mode graph is not supported with context parallelism (--nproc {args.nproc})")
     if args.chunks > horizon:
-        raise ValueError(f"--chunks must be <= {horizon} (the {args.config} model's RoPE horizon in chunks), got "
+        raise UsageError(f"--chunks must be <= {horizon} (the {args.config} model's RoPE horizon in chunks), got "
                          f"{args.chunks}")
 
 
@@ -115,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
 
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     kinds = available_caches() if args.compare else (args.cache,)
     if args.model == "diffusers-wan":
@@ -124,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if args.nproc != 1:
-            raise ValueError(f"--nproc {args.nproc} under torchrun: the ranks are torchrun's (leave --nproc out)")
         return _run_context_parallel(args, kinds, console, launcher="torchrun")
     if args.nproc != 1:
         return _run_context_parallel(args, kinds, console)
@@ -150,16 +153,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_diffusers_wan(args: argparse.Namespace, kinds: tuple[str, ...], console) -> int:
     """``--model diffusers-wan``: the table and JSON of :mod:`streamkv.lab.experiments.diffusers_wan`."""
-    import os
-
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
     from streamkv.lab.experiments.diffusers_wan import print_wan_tables, run_diffusers_wan
 
-    distributed = args.nproc != 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    for flag, bad in (("--nproc / torchrun", distributed), ("--mode", args.mode != "eager"), ("--plot", bool(args.plot))):
-        if bad:
-            raise ValueError(f"{flag} is not available with --model diffusers-wan (eager, one process, no plot)")
     with console.status("") as status:
         result = run_diffusers_wan(
             kinds, config=args.config, chunks=args.chunks, guidance=args.guidance, device=args.device,
@@ -185,8 +182,6 @@ def _run_context_parallel(args: argparse.Namespace, kinds: tuple[str, ...], cons
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment
 
-    if args.plot:
-        raise ValueError("--plot is not available with --nproc (the per-chunk timings of ranks are not plotted)")
     with console.status("") as status:
         result = compare_context_parallel(
             kinds, nproc=args.nproc, config=args.config, chunks=args.chunks, guidance=args.guidance,

@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 
 
+#: --out names the weights file (the CLI checks it can be written as a file, not a folder)
+OUTPUT_FILES = ("out",)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from streamkv.lab.video.config import TrainConfig
 
@@ -24,24 +28,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace):
-    """Every bound before any work (``ValueError``): the settings (:class:`TrainConfig`), the
-    threads, the training window against the toy model's chunk and horizon, the output path.
-    Returns the :class:`TrainConfig`."""
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`): the settings
+    (:class:`TrainConfig`), the threads, the training window against the toy model's chunk and
+    horizon, the output path. Returns the :class:`TrainConfig`."""
     from pathlib import Path
 
+    from streamkv.lab.errors import UsageError, usage_errors
     from streamkv.lab.video.config import TrainConfig
     from streamkv.lab.video.toy import toy_config
 
     if not 1 <= args.threads <= 2:
-        raise ValueError(f"--threads must be 1 or 2 (the machine is shared), got {args.threads}")
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, frames=args.frames, lr=args.lr,
-                      sprite_weight=args.sprite_weight, threads=args.threads)
+        raise UsageError(f"--threads must be 1 or 2 (the machine is shared), got {args.threads}")
+    if not 0 < args.lr < 1:  # nan too
+        raise UsageError(f"--lr must be in the open interval (0, 1), got {args.lr}")
+    if not args.sprite_weight >= 1:
+        raise UsageError(f"--sprite-weight must be >= 1 (1: plain MSE), got {args.sprite_weight}")
+    with usage_errors():  # TrainConfig names the setting it refuses
+        cfg = TrainConfig(seed=args.seed, steps=args.steps, batch=args.batch, frames=args.frames, lr=args.lr,
+                          sprite_weight=args.sprite_weight, threads=args.threads)
     model = toy_config()
     if cfg.frames % model.frames_per_chunk or not model.frames_per_chunk <= cfg.frames <= model.max_frames:
-        raise ValueError(f"--frames must be a multiple of the toy model's {model.frames_per_chunk}-frame chunk, at most "
-                         f"its {model.max_frames}-frame horizon, got {cfg.frames}")
+        raise UsageError(f"--frames must be a multiple of the toy model's {model.frames_per_chunk}-frame chunk, at "
+                         f"most its {model.max_frames}-frame horizon, got {cfg.frames}")
     if args.out and Path(args.out).suffix != ".safetensors":
-        raise ValueError(f"--out must end in .safetensors, got {args.out}")
+        raise UsageError(f"--out must end in .safetensors, got {args.out}")
     return cfg
 
 

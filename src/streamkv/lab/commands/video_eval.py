@@ -28,46 +28,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace):
-    """Every bound before any work (``ValueError``): the weights file (a readable safetensors file
-    that records its training window), the settings (:class:`EvalConfig`), ``--tau``, the
-    frames against the toy model's horizon, every (kind, capacity) geometry. Returns the
-    :class:`EvalConfig`."""
+    """Every bound before any work (:class:`~streamkv.lab.errors.UsageError`): the weights file (a
+    readable safetensors file that records its training window), the settings
+    (:class:`EvalConfig`), ``--tau``, the frames against the toy model's horizon, every (kind,
+    capacity) geometry, the position streams' length. Returns the :class:`EvalConfig`."""
     import math
 
-    from streamkv.lab.video.config import EvalConfig
+    from streamkv.lab.commands._common import toy_weights_horizon
+    from streamkv.lab.errors import UsageError, usage_errors
+    from streamkv.lab.video.config import CONTEXT_FRAMES, EvalConfig
     from streamkv.lab.video.runs import cache_run_spec
-    from streamkv.lab.video.toy import WEIGHTS, toy_config
+    from streamkv.lab.video.toy import toy_config
 
-    weights = args.weights or WEIGHTS
-    horizon = _horizon(weights)
-    cfg = EvalConfig(clips=args.clips, frames=args.frames, capacities=tuple(args.capacities), tau=args.tau,
-                     horizon=horizon, position_clips=args.position_clips, position_factor=args.position_factor)
+    horizon = toy_weights_horizon(args.weights)
     if not (isinstance(args.tau, float) and math.isfinite(args.tau) and 0 < args.tau < 1):
-        raise ValueError(f"--tau must be in the open interval (0, 1), got {args.tau}")
+        raise UsageError(f"--tau must be in the open interval (0, 1), got {args.tau}")
     top = toy_config().max_frames
     if args.frames > top:
-        raise ValueError(f"--frames must be <= {top} (the toy model's RoPE horizon), got {args.frames}")
+        raise UsageError(f"--frames must be <= {top} (the toy model's RoPE horizon), got {args.frames}")
+    if args.frames % 2 or args.frames <= CONTEXT_FRAMES:
+        raise UsageError(f"--frames must be even (2-frame chunks) and > {CONTEXT_FRAMES} (the context frames), got "
+                         f"{args.frames}")
+    if not args.capacities or any(c < 4 or c % 2 for c in args.capacities):
+        raise UsageError(f"--capacities must be even frame counts >= 4 (sinks, the chunk and the next), got "
+                         f"{' '.join(map(str, args.capacities))}")
+    with usage_errors():  # EvalConfig names the setting it refuses
+        cfg = EvalConfig(clips=args.clips, frames=args.frames, capacities=tuple(args.capacities), tau=args.tau,
+                         horizon=horizon, position_clips=args.position_clips, position_factor=args.position_factor)
+    if "position_factor" in getattr(args, "_given", ()) and not args.position_clips:
+        raise UsageError("--position-factor sets the length of the position-map streams: --position-clips 0 runs "
+                         "none (leave it out or give clips)")
+    if args.position_clips and args.position_factor < 2:
+        raise UsageError(f"--position-factor must be >= 2 (the position-map streams run past the training window), "
+                         f"got {args.position_factor}")
+    if args.position_clips and args.position_factor * horizon > top:
+        raise UsageError(f"--position-factor {args.position_factor} x the {horizon}-frame training window passes the "
+                         f"toy model's {top}-frame RoPE horizon")
     for capacity in cfg.capacities:
         for kind in cfg.run_kinds():
-            cache_run_spec(kind, capacity, tau=cfg.tau)
+            with usage_errors(what=f"--capacities {capacity}"):
+                cache_run_spec(kind, capacity, tau=cfg.tau)
     return cfg
-
-
-def _horizon(weights) -> int:
-    """The training window recorded in the weights; a bad file is a ``ValueError`` naming it."""
-    from pathlib import Path
-
-    from streamkv.lab.video.toy import training_horizon
-
-    path = Path(weights)
-    if not path.is_file():
-        raise ValueError(f"--weights {path}: no such file (streamkv train-toy writes the weights)")
-    try:
-        return training_horizon(path)
-    except ValueError:
-        raise
-    except Exception as exc:  # safetensors' own error types: the file is not a safetensors file
-        raise ValueError(f"--weights {path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.video.report import plot_eval, print_eval
     from streamkv.lab.video.toy import WEIGHTS, load_model
 
-    weights = args.weights or WEIGHTS
     cfg = check(args)
+    weights = args.weights or WEIGHTS
     console = make_console()
     model = load_model(weights)
     with threads(args.threads), console.status("") as status:

@@ -106,6 +106,13 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int
     run = time_interleaved(steps, repeats=repeats, device="cpu", warmup=1, warmup_s=0.0, max_rounds_factor=1)
     ms = {k: Stats.of(v).median for k, v in run.samples_ms.items()}
     roll_ms = _time_roll(chrono, chunk, D, dtype)
+    # the roll moved the chronological cache on (begins and commits): its read above is stale, so
+    # read it again; _time_roll leaves it as it found it (full, the next chunk open and written),
+    # so the same queries at the same cache-relative positions read it
+    read_chrono = chrono.read()
+    assert read_chrono.num_retained == n, (read_chrono.num_retained, n)
+    steps["chronological"] = lambda: attend(q_rel, read_chrono, rope_mode="cache_relative",
+                                            key_transform=lambda kc: Rope3D.rotate(kc, rel_cos[:, 0], rel_sin[:, 0]))
     chrono_read = ms["chronological"] + roll_ms / READS_PER_CHUNK
     out: dict[str, Any] = {
         "preset": preset, "heads_measured": 1, "heads_in_preset": p.heads, "dtype": p.dtype, "slots": cap,
@@ -135,7 +142,9 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int
 
 
 def _time_roll(chrono: ChronologicalCache, chunk: int, D: int, dtype: torch.dtype, repeats: int = 3) -> float:
-    """Median ms of the chronological path's steady ``begin_chunk`` (clone + shift of the window)."""
+    """Median ms of the chronological path's steady ``begin_chunk`` (clone + shift of the window).
+    The cache moves on by ``repeats + 2`` chunks and is left as it was found: full, with the next
+    chunk open and written (reads taken before are stale: read again)."""
     import time
 
     end = chrono.end
@@ -151,5 +160,7 @@ def _time_roll(chrono: ChronologicalCache, chunk: int, D: int, dtype: torch.dtyp
         chrono.write(k, k)
         chrono.commit_chunk(c)
         c += 1
+    chrono.begin_chunk(c)
+    chrono.write(k, k)
     times = sorted(times[1:])
     return times[len(times) // 2] if times else math.nan
