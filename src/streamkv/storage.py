@@ -250,6 +250,10 @@ class KVStorage:
         through here, so none of them knows the layout or the store."""
         return self.store.head_view(which, layer)
 
+    def span(self, which: str, n: int) -> Tensor:
+        """The open span's first ``n`` ``"k"``/``"v"`` rows as written, per head: ``[L, H, R, n, D]``."""
+        return self.store.span(which, self.where, n)
+
     def to_heads(self, x: Tensor) -> Tensor:
         """A tensor in the layout of one layer's rows (any token count; queries may have a
         multiple of the heads) as ``[H, R, T, D]``."""

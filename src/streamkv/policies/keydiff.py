@@ -6,16 +6,27 @@ Per (layer, head), the anchor is the mean of the held keys after normalising eac
 length; a key's score is minus its cosine similarity to the anchor (averaged over the batch).
 After a commit the ``budget`` kept are the sinks, the chunk just committed and the highest
 scores: the keys most like the anchor leave first. Keys only: no queries are needed.
+
+Cost: each key's norm is computed once, at its commit, and kept per slot (:attr:`norms`); the
+anchor moves with every commit, so a commit reads every held key twice (the anchor, then each
+key's dot product with it): two matrix-vector products per (layer, head) in the cache's dtype,
+no copy of the history.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from .scored import FixedBudget, Scores
+from ..layout import CacheLayout
+from ..storage import KVStorage
+from .scored import FixedBudget, Scores, check_scores
 
 __all__ = ["KeyDiff"]
+
+_EPS = 1e-12  # torch.nn.functional.normalize's floor on a norm
 
 
 class KeyDiff(FixedBudget):
@@ -24,8 +35,41 @@ class KeyDiff(FixedBudget):
     name = "keydiff"
     needs_queries = False
 
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
+        R = storage.dims.rows_per_slot
+        #: ``[L, H, R, capacity]``: each held key's L2 norm per batch row (set at its commit)
+        self.norms = torch.zeros((storage.num_layers, storage.heads, R, storage.capacity),
+                                 dtype=torch.promote_types(storage.dtype, torch.float32), device=storage.device)
+
     def priority(self, scores: Scores) -> Tensor:
-        unit = torch.nn.functional.normalize(scores.keys().double(), dim=-1)  # [L, H, R, cap, D]
-        held = scores.valid[:, :, None, :, None]
-        anchor = (unit * held).sum(3, keepdim=True) / held.sum(3, keepdim=True).clamp(min=1)
-        return -torch.nn.functional.cosine_similarity(unit, anchor, dim=-1).mean(2)
+        span = scores.span_keys()  # [L, H, R, n, D]
+        slots = scores.span_slots.unsqueeze(2).expand(-1, -1, span.shape[2], -1)
+        self._pending = norms = self.norms.scatter(-1, slots, span.to(self.norms.dtype).norm(dim=-1))
+        keys = scores.keys()  # [L, H, R, cap, D]
+        held = scores.valid.unsqueeze(2)  # [L, H, 1, cap]
+        inv = torch.where(held, 1.0 / norms.clamp(min=_EPS), 0.0)
+        out = torch.empty(norms.shape, dtype=norms.dtype, device=norms.device)
+        for layer in range(keys.shape[0]):  # one layer at a time: matrix-vector products, no copy of the keys
+            k = keys[layer]  # [H, R, cap, D]
+            w = inv[layer].to(k.dtype).unsqueeze(-2)  # [H, R, 1, cap]
+            count = held[layer].sum(-1, keepdim=True).clamp(min=1).to(norms.dtype)  # [H, 1, 1]
+            anchor = (w @ k).to(norms.dtype) / count.unsqueeze(-1)  # [H, R, 1, D]: the mean unit key
+            dots = (k @ anchor.to(k.dtype).transpose(-1, -2)).squeeze(-1).to(norms.dtype)  # [H, R, cap]
+            cos = dots / (norms[layer].clamp(min=_EPS) * anchor.squeeze(-2).norm(dim=-1, keepdim=True)).clamp(min=1e-8)
+            out[layer] = cos
+        return -out.mean(2)
+
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
+        self.norms.copy_(torch.where((valid & ~evict).unsqueeze(2), self._pending, 0.0))
+
+    def reset(self) -> None:
+        super().reset()
+        self.norms.zero_()
+
+    def state(self) -> dict[str, Tensor]:
+        return {**super().state(), "norms": self.norms}
+
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
+        super().check_state(state, end, span, is_open)
+        check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"])

@@ -28,15 +28,16 @@ class MassBudget(ScoredPolicy):
 
     Args:
         tau: the dropped-mass budget per eviction, in (0, 1).
-        protect_newest, score_block: see :class:`~streamkv.policies.scored.ScoredPolicy`.
+        protect_newest, score_block, check_finite: see :class:`~streamkv.policies.scored.ScoredPolicy`.
     """
 
     name = "mass"
     example_params = {"tau": 0.2}
     cache_properties = ("tau",)
 
-    def __init__(self, tau: float, *, protect_newest: bool = True, score_block: int | None = None) -> None:
-        super().__init__(protect_newest=protect_newest, score_block=score_block)
+    def __init__(self, tau: float, *, protect_newest: bool = True, score_block: int | None = None,
+                 check_finite: bool = True) -> None:
+        super().__init__(protect_newest=protect_newest, score_block=score_block, check_finite=check_finite)
         self.tau = check_tau(tau)
 
     def params(self) -> dict[str, Any]:

@@ -22,6 +22,9 @@ queries and a layer's never arrived, and (``ValueError``) when the priorities ar
 finite; either way nothing changed. It synchronises with the device once.
 ``dropped_mass_bound`` (per (layer, head), the last commit) is ``sum_{j evicted} max_j``: it
 bounds the mass any one query of the scoring span put on the evicted tokens.
+
+Why one module: the selection, its accounting and the Scores a policy ranks are the one
+contract every scored kind inherits; split, each part would read the others' fields.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ class Scores:
     storage: KVStorage
     stored_queries: Tensor | None = None
 
+    @property
+    def span_slots(self) -> Tensor:
+        """``int64 [L, H, n]``: the slots of the span being committed (per head)."""
+        return self.storage.write_slots[..., : self.n]
+
+    def span_keys(self) -> Tensor:
+        """The committed span's keys as written, per head: ``[L, H, R, n, D]`` (``O(chunk)``: the
+        statistic of a new token, kept per slot by the policy, costs its span, not the history)."""
+        return self.storage.span("k", self.n)
+
     def queries(self) -> Tensor:
         """The span's queries per layer as given to ``update(k, v, q)`` (``[L, *q rows]``, the
         layer layout); refused when a layer's queries were not stored (they came to ``attend``)."""
@@ -92,6 +105,9 @@ class ScoredPolicy(SlotPolicy):
         protect_newest: never evict the chunk just committed.
         score_block: query rows per block when stored queries are scored at the commit (only
             for a policy that needs queries).
+        check_finite: refuse a commit whose scores are not finite (NaN or inf keys or queries),
+            changing nothing: one read of the device per commit. ``False``: no read-back (a commit
+            captured in a CUDA graph); such tokens then leave first, counted in ``nonfinite``.
     """
 
     per_head = True
@@ -105,16 +121,18 @@ class ScoredPolicy(SlotPolicy):
     #: another kernel)
     reader: Callable[[int, Tensor], tuple[Tensor | None, Tensor | None]] | None = None
 
-    def __init__(self, *, protect_newest: bool = True, score_block: int | None = None) -> None:
-        if not isinstance(protect_newest, bool):
-            raise TypeError(f"protect_newest must be a bool, got {type(protect_newest).__name__} {protect_newest!r}")
+    def __init__(self, *, protect_newest: bool = True, score_block: int | None = None,
+                 check_finite: bool = True) -> None:
+        for name, flag in (("protect_newest", protect_newest), ("check_finite", check_finite)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
         if score_block is not None and not self.needs_queries:
             raise TypeError(f"the {self.name} policy scores keys, not queries: score_block does not apply")
-        self.protect_newest = protect_newest
+        self.protect_newest, self.check_finite = protect_newest, check_finite
         self.score_block = check_int("score_block", 256 if score_block is None else score_block, 1)
 
     def params(self) -> dict[str, Any]:
-        return {"protect_newest": self.protect_newest}
+        return {"protect_newest": self.protect_newest, **({} if self.check_finite else {"check_finite": False})}
 
     def check_layout(self, layout: CacheLayout) -> None:
         need = layout.chunk * (2 if self.protect_newest else 1)
@@ -130,9 +148,15 @@ class ScoredPolicy(SlotPolicy):
         raise NotImplementedError
 
     def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
-        """``[L, H]``: how many of the candidates (in order) to evict. ``sorted_priority`` has
-        ``inf`` after the candidates; ``candidates``/``protected`` are counts ``[L, H]``."""
+        """``[L, H]``: how many of the candidates (in order) to evict. ``sorted_priority``: the
+        candidates' priorities in eviction order, the first :meth:`most_evicted` of them (all when
+        None; ``inf`` past the candidates); ``candidates``/``protected`` are counts ``[L, H]``."""
         raise NotImplementedError
+
+    def most_evicted(self) -> int | None:
+        """A bound on the tokens one commit evicts per (layer, head), known on the host (None: any
+        number). With one, selection is a partial sort of that many candidates, not a full sort."""
+        return None
 
     def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
         """After the eviction is applied (state updates)."""
@@ -152,9 +176,14 @@ class ScoredPolicy(SlotPolicy):
         # 1 once update(k, v, q) stored queries since then (device flags: graph-safe)
         self._fresh = torch.zeros(L, dtype=torch.int8, device=dev)
         self._has_queries = torch.zeros(L, dtype=torch.int8, device=dev)
+        # the same flags as the host saw the calls (eager and compiled steps: no read-back at the
+        # commit); a captured graph's replay updates only the device flags, read when these lack any
+        self._seen = [[False, False] for _ in range(L)]
         # [L, *q rows shape]; reallocated only if queries of another shape arrive (grouped heads, spans)
         self._queries = torch.zeros((L, *storage.chunk_shape("k")), dtype=storage.dtype, device=dev)
         self.overflows = torch.zeros((L, H), dtype=torch.long, device=dev)
+        #: tokens evicted with a non-finite score (``check_finite=False``), per (layer, head)
+        self.nonfinite = torch.zeros((L, H), dtype=torch.long, device=dev)
         self.evictions = torch.zeros((L, H), dtype=torch.long, device=dev)
         self.dropped_mass_bound = torch.zeros((L, H), dtype=torch.float64, device=dev)
 
@@ -163,6 +192,7 @@ class ScoredPolicy(SlotPolicy):
         """A write replaced the chunk's K/V: earlier statistics and queries no longer apply."""
         self._fresh[layer].zero_()
         self._has_queries[layer].zero_()
+        self._seen[layer] = [False, False]
 
     def take_queries(self, layer: int, q: Tensor) -> None:
         """Keep the queries for a commit-time scoring pass (used only if attention does not
@@ -171,6 +201,7 @@ class ScoredPolicy(SlotPolicy):
             self._queries = torch.zeros((self.storage.num_layers, *q.shape), dtype=q.dtype, device=q.device)
         self._queries[layer].copy_(q)
         self._has_queries[layer].fill_(1)
+        self._seen[layer] = [self._seen[layer][0], True]
 
     def receive(self, layer: int, key_max: Tensor | None, key_sum: Tensor | None) -> None:
         """Statistics ``[H, S]`` of the attention that just read ``layer`` (from ``attend``; None:
@@ -180,6 +211,7 @@ class ScoredPolicy(SlotPolicy):
             if got is not None:
                 mine[layer].copy_(got[:, :cap])
         self._fresh[layer].fill_(1)
+        self._seen[layer] = [True, self._seen[layer][1]]
 
     def _score_stored(self, layer: int) -> tuple[Tensor, Tensor]:
         """Statistics of the stored queries against ``layer``'s slots now (a second read)."""
@@ -219,15 +251,20 @@ class ScoredPolicy(SlotPolicy):
     # ------------------------------------------------------------------- commit
     def commit(self, start: int, n: int) -> Step:
         st, L = self.storage, self.storage.num_layers
-        what = f"positions [{start}, {start + n})"
+
+        def what() -> str:  # built only for a message: a traced commit must not specialise on the position
+            return f"chunk {start // self.layout.chunk} (positions [{start}, {start + n}))"
+
         key_max = key_sum = None
         has_q = []
         if self.needs_queries:
-            fresh, has_q = torch.stack([self._fresh, self._has_queries]).tolist()  # the commit's one sync
+            fresh, has_q = (list(x) for x in zip(*self._seen))  # the host's record: no read-back
+            if not all(f or q for f, q in zip(fresh, has_q)):  # a captured replay tells the device flags only
+                fresh, has_q = torch.stack([self._fresh, self._has_queries]).bool().tolist()
             missing = [layer for layer in range(L) if not fresh[layer] and not has_q[layer]]
             if missing:
                 raise RuntimeError(
-                    f"the {self.name} policy needs the queries of chunk {start // self.layout.chunk} ({what}), and "
+                    f"the {self.name} policy needs the queries of {what()}, and "
                     f"layer(s) {missing} have none since their last write: attend through streamkv.attention.attend, "
                     f"or pass them to update(k, v, q); nothing was committed"
                 )
@@ -241,20 +278,27 @@ class ScoredPolicy(SlotPolicy):
         valid = pos >= 0
         stored = self._queries if self.needs_queries and all(has_q) else None
         prio = self.priority(Scores(pos, valid, start, n, key_max, key_sum, st, stored))
-        finite = torch.isfinite(torch.where(valid, prio, 0.0)).all(dim=(-1, -2))
-        if not bool(finite.all()):
-            bad = (~finite).nonzero().flatten().tolist()
-            raise ValueError(
-                f"{'attention statistics' if self.needs_queries else f'{self.name} key scores'} of chunk "
-                f"{start // self.layout.chunk} ({what}) are not finite in layer(s) {bad}: NaN or inf in the cached "
-                f"keys or the queries; the chunk stays open and nothing was evicted"
-            )
-        evict, overflow, n_evict, dropped = self._select(start, pos, valid, prio, key_max)
+        held = torch.where(valid, prio, 0.0)
+        if self.check_finite:
+            finite = torch.isfinite(held).all(dim=(-1, -2))
+            if not bool(finite.all()):  # one read-back per commit (check_finite=False: none)
+                bad = (~finite).nonzero().flatten().tolist()
+                raise ValueError(
+                    f"{'attention statistics' if self.needs_queries else f'{self.name} key scores'} of "
+                    f"{what()} are not finite in layer(s) {bad}: NaN or inf in the cached "
+                    f"keys or the queries; the chunk stays open and nothing was evicted (check_finite=False evicts "
+                    f"such tokens first instead, and counts them)"
+                )
+        bad = valid & ~torch.isfinite(prio)
+        prio = torch.where(bad, -math.inf, prio)  # (check_finite=False) non-finite scores leave first
+        # the span's first position from the device (a captured commit reads the chunk it replays)
+        evict, overflow, n_evict, dropped = self._select(self.lifecycle.query_positions()[:1], pos, valid, prio, key_max)
 
         def apply() -> None:
             st.positions[..., : st.capacity].masked_fill_(evict, -1)
             self.overflows += overflow
             self.evictions += n_evict
+            self.nonfinite += (bad & evict).sum(-1)
             self.dropped_mass_bound.copy_(dropped)
             self.on_commit(evict, prio, valid)
 
@@ -263,32 +307,53 @@ class ScoredPolicy(SlotPolicy):
 
         return Step(apply, evicted, info={"overflow": overflow.bool(), "dropped_mass_bound": dropped})
 
-    def _select(self, start: int, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor | None):
+    def _select(self, start: Tensor, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor | None):
+        """Evict, per (layer, head), the first ``n_evict`` candidates in (priority, position) order:
+        a full sort when the policy bounds no eviction count, else a partial one (``topk`` of the
+        bound) and the ties at the last evicted priority resolved by position -- the same set."""
         L = self.layout
         protected = valid & (pos < L.sink)
         if self.protect_newest:
             protected |= valid & (pos >= start)
         cand = valid & ~protected
         cap = pos.shape[-1]
-        # candidates by (priority, position) ascending; the others last
-        by_pos = torch.where(cand, pos, _BIG).argsort(dim=-1, stable=True)
-        sorted_prio, order = torch.where(cand, prio, math.inf).gather(-1, by_pos).sort(dim=-1, stable=True)
-        order = by_pos.gather(-1, order)
+        key = torch.where(cand, prio, math.inf)
         n_cand = cand.sum(-1)
-        want = self.wanted(sorted_prio, n_cand, protected.sum(-1)).clamp(min=0)
-        want = torch.minimum(want, n_cand)
         free = (~valid[..., L.sink :]).sum(-1)
-        need = (L.chunk - free - want).clamp(min=0)  # room the next span (up to a chunk) still lacks
-        n_evict = torch.minimum(want + need, n_cand)
-        evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
+        k = self.most_evicted()
+        if k is None or k >= cap:
+            # candidates by (priority, position) ascending; the others last
+            by_pos = torch.where(cand, pos, _BIG).argsort(dim=-1, stable=True)
+            sorted_prio, order = key.gather(-1, by_pos).sort(dim=-1, stable=True)
+            order = by_pos.gather(-1, order)
+            n_evict, need = self._count(sorted_prio, n_cand, protected, free)
+            evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
+        else:
+            sorted_prio = key.topk(k, dim=-1, largest=False, sorted=True).values  # the k lowest, in order
+            n_evict, need = self._count(sorted_prio, n_cand, protected, free)
+            n_evict = torch.minimum(n_evict, torch.full_like(n_cand, k))
+            last = sorted_prio.gather(-1, (n_evict - 1).clamp(min=0).unsqueeze(-1))  # the n-th lowest priority
+            below = cand & (key < last)
+            ties = cand & (key == last)  # of these, the oldest positions leave (as many as are still wanted)
+            rest = (n_evict - below.sum(-1)).clamp(min=1, max=k).unsqueeze(-1)
+            oldest = torch.where(ties, pos, _BIG).topk(k, dim=-1, largest=False, sorted=True).values
+            evict = (below | (ties & (pos <= oldest.gather(-1, rest - 1)))) & (n_evict > 0).unsqueeze(-1)
         # without statistics the only bound on the mass that left is the trivial one
         dropped = (key_max * evict).sum(-1) if key_max is not None else evict.any(-1).double()
         return evict, (need > 0).long(), n_evict, dropped
 
+    def _count(self, sorted_prio: Tensor, n_cand: Tensor, protected: Tensor, free: Tensor) -> tuple[Tensor, Tensor]:
+        """``[L, H]`` each: how many leave (the policy's wish, and more where the next span would lack
+        room), and how many more than the wish (an overflow where > 0)."""
+        want = torch.minimum(self.wanted(sorted_prio, n_cand, protected.sum(-1)).clamp(min=0), n_cand)
+        need = (self.layout.chunk - free - want).clamp(min=0)  # room the next span (up to a chunk) still lacks
+        return torch.minimum(want + need, n_cand), need
+
     # ---------------------------------------------------------------- lifecycle
     def reset(self) -> None:
-        for t in (self._fresh, self._has_queries, self.overflows, self.evictions):
+        for t in (self._fresh, self._has_queries, self.overflows, self.evictions, self.nonfinite):
             t.zero_()
+        self._seen = [[False, False] for _ in self._seen]
         for t in (self._key_max, self._key_sum, self.dropped_mass_bound):
             t.zero_()
         self._queries.zero_()
@@ -297,11 +362,13 @@ class ScoredPolicy(SlotPolicy):
         # the open chunk's statistics from attention too: a state taken mid-chunk commits the same
         # way. Queries stored by update(k, v, q) are not saved (their shape follows the caller):
         # a restored cache asks for them again rather than score stale ones.
-        return {"overflows": self.overflows, "evictions": self.evictions, "dropped_mass_bound": self.dropped_mass_bound,
+        return {"overflows": self.overflows, "evictions": self.evictions, "nonfinite": self.nonfinite,
+                "dropped_mass_bound": self.dropped_mass_bound,
                 "key_max": self._key_max, "key_sum": self._key_sum, "scored": self._fresh}
 
     def after_load(self, end: int, span: int) -> None:
         self._has_queries.zero_()
+        self._seen = [[bool(f), False] for f in self._fresh.tolist()]
 
     def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         st, lay = self.storage, self.layout
@@ -329,7 +396,7 @@ class ScoredPolicy(SlotPolicy):
                 raise ValueError(f"{where}: write_slots must hold the positions of the last span {last.tolist()}")
         if end and not is_open and bool(((rest < 0).sum(-1) < lay.chunk).any()):
             raise ValueError(f"{where}: every head needs {lay.chunk} free window slots for the next chunk")
-        for name in ("overflows", "evictions"):
+        for name in ("overflows", "evictions", "nonfinite"):
             if bool((state[name] < 0).any()):
                 raise ValueError(f"{where}: {name} must be >= 0")
         if bool(((state["scored"] != 0) & (state["scored"] != 1)).any()):
@@ -361,12 +428,12 @@ class FixedBudget(ScoredPolicy):
 
     cache_properties = ("budget",)
 
-    def __init__(self, budget: int | None = None, *, score_block: int | None = None) -> None:
-        super().__init__(protect_newest=True, score_block=score_block)
+    def __init__(self, budget: int | None = None, *, score_block: int | None = None, check_finite: bool = True) -> None:
+        super().__init__(protect_newest=True, score_block=score_block, check_finite=check_finite)
         self.budget = None if budget is None else check_int("budget", budget)
 
     def params(self) -> dict[str, Any]:
-        return {"budget": self.budget}
+        return {"budget": self.budget, **({} if self.check_finite else {"check_finite": False})}
 
     def check_layout(self, layout: CacheLayout) -> None:
         super().check_layout(layout)
@@ -381,3 +448,7 @@ class FixedBudget(ScoredPolicy):
 
     def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
         return candidates - (self.budget - protected).clamp(min=0)
+
+    def most_evicted(self) -> int:
+        """A commit leaves ``budget`` tokens of at most ``sink + window`` held: ``capacity - budget``."""
+        return self.layout.capacity - self.budget

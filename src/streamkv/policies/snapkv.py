@@ -33,8 +33,8 @@ class SnapKV(FixedBudget):
     cache_properties = ("budget", "obs", "kernel")
 
     def __init__(self, budget: int | None = None, *, obs: int = 32, kernel: int = 7,
-                 score_block: int | None = None) -> None:
-        super().__init__(budget, score_block=score_block)
+                 score_block: int | None = None, check_finite: bool = True) -> None:
+        super().__init__(budget, score_block=score_block, check_finite=check_finite)
         self.obs = check_int("obs", obs, 1)
         self.kernel = check_int("kernel", kernel, 1)
         if self.kernel % 2 == 0:

@@ -324,6 +324,20 @@ class Store(abc.ABC):
         where the store holds dense rows, else a decoded copy."""
         return self.gather(layer, which, torch.arange(self.dims.slots, device=self.device))
 
+    def span(self, which: str, where: WritePlan, n: int) -> Tensor:
+        """The open span's ``"k"``/``"v"`` rows as written, per head: ``[L, H, R, n, D]`` (before the
+        commit: a quantised store's are still full precision)."""
+        d = self.dims
+        out = []
+        for layer in range(self.num_layers):
+            slots = where.plan[layer if where.plan.shape[0] > 1 else 0, :, :n]  # [H|1, n]
+            if slots.shape[0] == 1:
+                out.append(d.to_heads(self.gather(layer, which, slots[0])))
+            else:
+                x = torch.stack([d.to_heads(self.gather(layer, which, slots[h]))[h] for h in range(slots.shape[0])])
+                out.append(x)
+        return torch.stack(out)
+
     def head_view(self, which: str, layer: int | None = None) -> Tensor:
         """The stored ``"k"``/``"v"`` per head: ``[L, H, R, S, D]`` (``[H, R, S, D]`` for one layer);
         read it, never write through it."""
@@ -356,6 +370,12 @@ class Store(abc.ABC):
     def basis(self, which: str) -> Tensor | None:
         """The storage basis ``R`` of ``which`` (stored ``x @ R.T``), or None."""
         return None
+
+    def bytes_per_token(self) -> float:
+        """Bytes of one stored token (every layer and head, K and V) where it is held as rows of the
+        cache dtype; a quantised store counts its codes and scales."""
+        D, Dv = self.dims.features
+        return self.num_layers * self.dims.heads * self.dims.rows_per_slot * (D + Dv) * self.dtype.itemsize
 
     def describe(self) -> dict[str, Any]:
         """What the store holds, for reports: format, bytes of codes, scales and full-precision rows."""

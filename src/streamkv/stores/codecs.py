@@ -276,6 +276,10 @@ class KVQuant:
         residual: the newest committed tokens kept in full precision besides the open span
             (``0``: quantised at their commit; the open span is always full precision: every
             denoising step and the clean pass rewrite it).
+        check_finite: refuse a commit whose K/V are not finite (a scale of inf or NaN means
+            nothing), changing nothing: one read of the device per commit. ``False``: no read-back
+            (a commit captured in a CUDA graph); non-finite K/V are then stored as non-finite codes
+            and scales, which the cache's own state dicts carry.
 
     Every token is quantised once, when its span is committed; it is then read from its codes
     once it is neither a sink (with ``sinks``) nor among the ``residual`` newest positions.
@@ -289,6 +293,7 @@ class KVQuant:
     value_basis: Basis | None = None
     sinks: bool = True
     residual: int = 0
+    check_finite: bool = True
     _fmt: tuple[Codec, Codec] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -304,8 +309,10 @@ class KVQuant:
         if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, int)
                                        or self.group < 1):
             raise ValueError(f"KVQuant group must be an int >= 1 or None, got {self.group!r}")
-        if not isinstance(self.sinks, bool):
-            raise TypeError(f"KVQuant sinks must be a bool, got {type(self.sinks).__name__} {self.sinks!r}")
+        for name in ("sinks", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KVQuant {name} must be a bool, got {type(getattr(self, name)).__name__} "
+                                f"{getattr(self, name)!r}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"KVQuant residual must be an int >= 0 (tokens), got {self.residual!r}")
 
@@ -340,7 +347,7 @@ class KVQuant:
     def config(self) -> dict[str, Any]:
         """What a state dict records (and must match)."""
         return {"keys": self.keys, "values": self.values, "group": self.group, "bases": self.bases(),
-                "sinks": self.sinks, "residual": self.residual}
+                "sinks": self.sinks, "residual": self.residual, "check_finite": self.check_finite}
 
     def label(self) -> str:
         kv = self.keys if self.keys == self.values else f"k{self.keys}/v{self.values}"

@@ -278,6 +278,18 @@ class DenseStore(Store):
         x = x.reshape(*x.shape[:2], -1, *x.shape[-2:])
         return x if layer is None else x[layer]
 
+    def span(self, which: str, where: WritePlan, n: int) -> Tensor:
+        d = self.dims
+        if not where.per_head or d.head is None:
+            return super().span(which, where, n)
+        out = []
+        for layer in range(self.num_layers):
+            buf = self._layer(layer)[0 if which == "k" else 1]
+            slots = self.rows_of(where.plan[layer, :, :n]) if self.table is not None else where.plan[layer, :, :n]
+            rows = d.rows(buf)[slots.transpose(0, 1), self._heads_idx[:n]]  # [n, H, *rest, D]
+            out.append(rows.movedim(0, -2).reshape(d.heads, -1, n, rows.shape[-1]))
+        return torch.stack(out)
+
     # ------------------------------------------------------- slot maintenance
     def write_recall(self, layer: int, head: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         d = self.dims

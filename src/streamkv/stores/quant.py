@@ -183,7 +183,7 @@ class QuantStore(Store):
 
     def check_commit(self, start: int, n: int) -> None:
         first = max(0, min(self.c0 - start, n))
-        if first < n and not torch.compiler.is_compiling():
+        if first < n and self.quant.check_finite and not torch.compiler.is_compiling():
             rows = self.hot_plan[first:n]
             s = self.dims.seq + 1
             finite = torch.stack([torch.isfinite(h.index_select(s, rows)).all() for h in (self.hot_k, self.hot_v)])
@@ -284,6 +284,12 @@ class QuantStore(Store):
                 k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv), k_scale=ks, v_scale=vs,
                 k_basis=self.rk, v_basis=self.rv, slots=c0, **pages))
         return out
+
+    def span(self, which: str, where: WritePlan, n: int) -> Tensor:
+        hot = self.hot_k if which == "k" else self.hot_v  # the open span is in its full-precision rows
+        rows = self.hot_plan[:n]
+        return torch.stack([self.dims.to_heads(hot[layer].index_select(self.dims.seq, rows))
+                            for layer in range(self.num_layers)])
 
     def _decode(self, which: str, codes: Tensor, scale: Tensor | None) -> Tensor:
         fmt, g, r, dim = (self.kf, self.gk, self.rk, self.dims.features[0]) if which == "k" else (
@@ -447,8 +453,10 @@ class QuantStore(Store):
         for name in ("quant_k_scale", "quant_v_scale"):
             if name in state:
                 s = state[name].float()
-                if not bool((torch.isfinite(s) & (s >= 0)).all()):
-                    raise ValueError(f"state dict {name} must be finite and >= 0")
+                ok = ~(s < 0) if not self.quant.check_finite else torch.isfinite(s) & (s >= 0)
+                if not bool(ok.all()):  # (check_finite=False stores what it was given, inf and NaN included)
+                    raise ValueError(f"state dict {name} must be {'finite and ' if self.quant.check_finite else ''}"
+                                     f">= 0")
 
     def __repr__(self) -> str:
         return f"QuantStore({self.quant.label()}, hot_rows={self.rows}, bytes={self.nbytes})"

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from streamkv.attention import attend
+from streamkv.blockread import read_blocks
 from streamkv.caches import ChronologicalCache, RingCache
 from streamkv.lab.bench.presets import get_preset
 from streamkv.lab.measure.memory import probe_transient
@@ -89,8 +90,8 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int
     read_raw, read_rot, read_chrono = raw.read(), rot.read(), chrono.read()
     if queries is not None:  # a slice of the chunk's queries: the reads' query positions follow
         read_raw = dataclasses.replace(read_raw, query_positions=read_raw.query_positions[:nq])
-    keys, values, seq = read_rot.keys, read_rot.values, read_rot.seq_dim
-    blocked = dataclasses.replace(read_rot, load=lambda a, b: (keys.narrow(seq, a, b - a), values.narrow(seq, a, b - a)))
+    # the pre-rotated read through the block loop (what rotating at read adds to it is the rotation alone)
+    q_blocked, blocked = read_rot.block_plan(read_rot.dims.attention(q_abs), scale=D**-0.5, block=block)
     n = read_chrono.num_retained
     rel_cos, rel_sin = (t.unsqueeze(1) for t in rope3d.cos_sin(torch.arange(n), dtype))
     q_rel = Rope3D.rotate(q, rel_cos[n - chunk:n - chunk + nq], rel_sin[n - chunk:n - chunk + nq])
@@ -99,7 +100,7 @@ def read_cost(preset: str, *, repeats: int = 3, block: int = 16384, queries: int
         "prerotated": lambda: attend(q_abs, read_rot),
         "rope_at_write": lambda: (Rope3D.rotate(q_abs, wcos[:nq], wsin[:nq]), Rope3D.rotate(k_chunk, wcos, wsin)),
         "rotate_at_read": lambda: attend(q, read_raw),
-        "keyblocked": lambda: attend(q_abs, blocked, block=block),
+        "keyblocked": lambda: read_blocks(q_blocked, blocked),
         "chronological": lambda: attend(q_rel, read_chrono, rope_mode="cache_relative",
                                         key_transform=lambda kc: Rope3D.rotate(kc, rel_cos[:, 0], rel_sin[:, 0])),
     }

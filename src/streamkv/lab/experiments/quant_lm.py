@@ -110,7 +110,7 @@ def run_lm(model: Any, ids: torch.Tensor, *, chunk: int = 64, sink: int = 4, res
 
         trans = probe_transient(lambda: attend(q, read, causal=True), "cpu", steps=1).peak_bytes
         st = kv.storage
-        bpt = st.codes.bytes_per_token() if st.codes is not None else 2 * L * Hkv * D * st.keys.element_size()
+        bpt = st.store.bytes_per_token()
         summ = errors.summary("default")
         return {"dataset": "smollm2", "cache": label, "kind": kind, "bits": 32 if fmt in (None, "fp32") else
                 KV_FORMATS[fmt].bits, "format": fmt or "fp32", "memory_tokens": memory, "residual": res,

@@ -104,7 +104,7 @@ def run_video(*, clips: int = 2, frames: int = 32, progress=None) -> dict[str, A
         read = cache.read(L - 1, "mask")
         trans = probe_transient(lambda: attend(q, read), "cpu", steps=1).peak_bytes
         st = cache.storage
-        bpt = st.codes.bytes_per_token() if st.codes is not None else 2 * L * H * Dh * st.keys.element_size()
+        bpt = st.store.bytes_per_token()
         n_chunks = clips * (frames - CONTEXT_FRAMES) // fpc
         rows.append({"dataset": "toy-video", "cache": f"streamkv {label}", "kind": kind,
                      "bits": 32 if fmt == "fp32" else KV_FORMATS[fmt].bits, "format": fmt,
