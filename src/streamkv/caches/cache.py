@@ -46,6 +46,10 @@ from .state import MAX_POSITION, StateDicts
 __all__ = ["KVCache", "LayerView", "MAX_POSITION"]
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{n} B"
+
+
 class KVCache:
     """K/V storage for ``num_layers`` layers, a slot policy and the chunk lifecycle.
 
@@ -584,12 +588,19 @@ class KVCache:
 
     def report(self) -> dict[str, Any]:
         """What the cache holds and has evicted (synchronises): the policy's parameters, the
-        capacity, kept tokens per (layer, head) and their mean; for scored policies the
-        evictions, overflows and the last commit's dropped-mass bound per (layer, head)."""
+        capacity, kept tokens per (layer, head) and their mean; the device, dtype, whether keys are
+        stored raw (rotated at read by which map); the storage (format; bytes of codes, scales and
+        full-precision rows; pages; what a plain bfloat16 cache of the same slots holds); for
+        scored policies the evictions, overflows and the last commit's dropped-mass bound per
+        (layer, head)."""
         kept = (self.storage.slot_positions[..., : self.layout.capacity] >= 0).sum(-1)
         out: dict[str, Any] = {
             "kind": self.name, **self.policy.params(), "capacity": self.layout.capacity,
             "kept_tokens": kept.tolist(), "kept_tokens_mean": float(kept.float().mean()),
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "keys": "raw, rotated at read" if self.rope_at_read is not None else "as written",
+            "position_map": self.rope_at_read.current.name if self.rope_at_read is not None else None,
+            "storage": self.storage.store.describe(),
         }
         stats = self.policy.state()
         if "evictions" in stats:
@@ -620,8 +631,21 @@ class KVCache:
 
     def __repr__(self) -> str:
         L = self.layout
+        st = self.storage.store.describe()
+        held = f"{_mib(st['bytes'])} held ({st['format']}"
+        if st["code_bytes"]:
+            held += f": codes {_mib(st['code_bytes'])}, scales {_mib(st['scale_bytes'])}, full precision " \
+                    f"{_mib(st['full_precision_bytes'])}"
+        held += f"; a plain bf16 cache: {_mib(st['bf16_bytes'])})"
+        extra = ""
+        if self.rope_at_read is not None:
+            extra += f", keys raw (rotated at read: {self.rope_at_read.current.name})"
+        if "pages" in st:
+            pg = st["pages"]
+            extra += f", pages {pg['own']} of {pg['page']} slots ({pg['shared']} shared; pool {pg['pool_used']}/" \
+                     f"{pg['pool_capacity']})"
         return (
             f"{type(self).__name__}(policy={self.policy!r}, sink={L.sink}, window={L.window}, chunk={L.chunk}, "
             f"k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, num_layers={self.num_layers}, "
-            f"dtype={self.dtype}, device={self.device}, end={self.end}, open_span={self.open_span})"
+            f"dtype={self.dtype}, device={self.device}, end={self.end}, open_span={self.open_span}, {held}{extra})"
         )

@@ -190,7 +190,10 @@ class CacheSet:
         self.load_state_dict(states)
 
     def __repr__(self) -> str:
-        return f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers})"
+        st = self[self.branches[0]].storage.store.describe()
+        plain = st["bf16_bytes"] * len(self.branches)
+        return (f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers}, "
+                f"{st['format']}, {self.nbytes / 2**20:.3g} MiB held (a plain bf16 set: {plain / 2**20:.3g} MiB))")
 
 
 def _run_all(steps: list[Step]) -> None:

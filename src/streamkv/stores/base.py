@@ -378,5 +378,16 @@ class Store(abc.ABC):
         return self.num_layers * self.dims.heads * self.dims.rows_per_slot * (D + Dv) * self.dtype.itemsize
 
     def describe(self) -> dict[str, Any]:
-        """What the store holds, for reports: format, bytes of codes, scales and full-precision rows."""
-        return {"format": str(self.dtype).replace("torch.", ""), "bytes": self.nbytes}
+        """What the store holds, for reports: its format; bytes of codes, scales and full-precision
+        rows (all of them for a dense store); pages in use when paged; and what a plain bfloat16 cache
+        of the same slots would hold (``bf16_bytes``)."""
+        D, Dv = self.dims.features
+        plain = self.num_layers * self.dims.heads * self.dims.rows_per_slot * self.dims.slots * (D + Dv) * 2
+        out = {"format": str(self.dtype).replace("torch.", ""), "bytes": self.nbytes, "code_bytes": 0,
+               "scale_bytes": 0, "full_precision_bytes": self.nbytes, "bf16_bytes": plain}
+        if self.table is not None:
+            pool, page_bytes = self.table.pool, self.nbytes // max(self.table.pool.capacity, 1)
+            out["pages"] = {"page": pool.page, "own": len(self.table.host), "shared": sum(
+                pool.refs[p] > 1 for p in self.table.host), "pool_used": pool.used, "pool_capacity": pool.capacity,
+                "page_bytes": page_bytes}
+        return out

@@ -159,10 +159,12 @@ class QuantStore(Store):
         return self.code_bytes / n if n else 0.0
 
     def describe(self) -> dict[str, Any]:
-        hot = self.hot_k.nbytes + self.hot_v.nbytes
-        return {"format": self.quant.label(), "bytes": self.nbytes, "code_bytes": self.code_bytes,
-                "full_precision_bytes": hot, "full_precision_rows": self.rows,
-                "map_bytes": self.hot_row.nbytes + self.hot_plan.nbytes}
+        out = super().describe()
+        scales = sum(t.nbytes for t in (self.k_scale, self.v_scale) if t is not None)
+        out.update(format=self.quant.label(), code_bytes=self.code_bytes - scales, scale_bytes=scales,
+                   full_precision_bytes=self.hot_k.nbytes + self.hot_v.nbytes, full_precision_rows=self.rows,
+                   map_bytes=self.hot_row.nbytes + self.hot_plan.nbytes)
+        return out
 
     # -------------------------------------------------------------- lifecycle
     def begin(self, start: int, n: int, where: WritePlan) -> None:
