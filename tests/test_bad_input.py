@@ -185,7 +185,7 @@ def test_bad_construction(kind, kwargs, exc, match):
         ("ring", dict(storage="ring"), r"policy 'ring' \(Ring\) takes no parameters, got \['storage'\]: a cache hands "
                                        r"every keyword it does not take itself to its policy; a cache takes \['k_shape', "
                                        r"'v_shape', 'seq_dim', 'sink', 'window', 'chunk', 'policy'"),
-        ("tova", dict(tau=0.1), r"policy 'tova' \(TOVA\) takes \['budget', 'score_block'\], got \['tau'\].*rope_at_read"),
+        ("tova", dict(tau=0.1), r"policy 'tova' \(TOVA\) takes \['budget', 'score_block', 'check_finite'\], got \['tau'\].*rope_at_read"),
         ("tova", dict(budget=2.0), "TOVA: budget must be an int, got float 2.0"),  # the policy's own type check
         ("mass", dict(tau=0.1, window=5), r"window \(5\) must hold the newest chunk and the next chunk: >= 6"),
         ("h2o", dict(budget=S + C - 1), r"budget must hold .* 5 <= budget <= 6, got 4"),

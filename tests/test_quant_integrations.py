@@ -21,6 +21,13 @@ def _tiny():
     return LlamaForCausalLM(cfg).eval()
 
 
+def _relative_error(codec) -> float:
+    """The format's largest round-trip error of a token, relative to the token's largest element."""
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    codes, scale = codec.encode(x, 16)
+    return float(((codec.decode(codes, scale, 16, 16) - x).abs().amax(-1) / x.abs().amax(-1)).max())
+
+
 @pytest.mark.parametrize("fmt", list(KV_FORMATS))
 def test_build_cache_quant_streams_and_stays_close(fmt):
     import streamkv.integrations.transformers as skv
@@ -38,9 +45,10 @@ def test_build_cache_quant_streams_and_stays_close(fmt):
             assert cache.kv.storage.store.buffers() is None  # codes only: no dense copy of the history
             assert set(cache.layers[0].keys.stride()) == {0}  # transformers sees a shape-carrying placeholder
     diff = (outs[True] - outs[False]).abs().max().item()
-    # a smoke bound (exactness over the stored values is test_quant's): the measured logit change
-    # is 0.08 / 0.81 / 0.28 / 3.0 / 8.5 for bf16 / fp8 / int8 / int4 / int2 on logits of |8|
-    assert diff < {"bf16": 0.16, "fp8": 1.6, "int8": 0.56, "int4": 6.0, "int2": 17.0}[fmt], diff
+    # a smoke bound (exactness over the stored values is test_quant's), scaled by the format's own
+    # rounding: the measured logit change was 13-71x the relative round-trip error of a token
+    # (0.08 / 0.81 / 0.28 / 3.0 / 8.5 for bf16 / fp8 / int8 / int4 / int2 on logits of |8|)
+    assert diff < 150 * _relative_error(KV_FORMATS[fmt]), diff
     assert math.isfinite(diff)
 
 

@@ -39,7 +39,7 @@ class H2O(FixedBudget):
     def priority(self, scores: Scores) -> Tensor:
         return torch.where(scores.valid, self.accumulated + scores.key_sum, 0.0)
 
-    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
         self.accumulated.copy_(torch.where(evict | ~valid, 0.0, priority))  # a leaving token's score leaves with it
 
     def on_new(self, slots: Tensor) -> None:

@@ -45,7 +45,7 @@ class KeyDiff(FixedBudget):
     def priority(self, scores: Scores) -> Tensor:
         span = scores.span_keys()  # [L, H, R, n, D]
         slots = scores.span_slots.unsqueeze(2).expand(-1, -1, span.shape[2], -1)
-        self._pending = norms = self.norms.scatter(-1, slots, span.to(self.norms.dtype).norm(dim=-1))
+        scores.derived["norms"] = norms = self.norms.scatter(-1, slots, span.to(self.norms.dtype).norm(dim=-1))
         keys = scores.keys()  # [L, H, R, cap, D]
         held = scores.valid.unsqueeze(2)  # [L, H, 1, cap]
         inv = torch.where(held, 1.0 / norms.clamp(min=_EPS), 0.0)
@@ -60,8 +60,8 @@ class KeyDiff(FixedBudget):
             out[layer] = cos
         return -out.mean(2)
 
-    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
-        self.norms.copy_(torch.where((valid & ~evict).unsqueeze(2), self._pending, 0.0))
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
+        self.norms.copy_(torch.where((valid & ~evict).unsqueeze(2), scores.derived["norms"], 0.0))
 
     def reset(self) -> None:
         super().reset()

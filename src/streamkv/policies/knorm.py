@@ -38,7 +38,7 @@ class KNorm(FixedBudget):
         new = scores.span_keys().to(self.norms.dtype).norm(dim=-1).mean(2)  # [L, H, n]
         return -self.norms.scatter(-1, scores.span_slots, new)  # out of place: a refused commit changes nothing
 
-    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
         self.norms.copy_(torch.where(valid & ~evict, -priority, 0.0))
 
     def reset(self) -> None:

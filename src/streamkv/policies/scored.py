@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -68,6 +68,8 @@ class Scores:
     key_sum: Tensor | None
     storage: KVStorage
     stored_queries: Tensor | None = None
+    #: what a policy's priority derived and its on_commit keeps (a veto drops it with the Scores)
+    derived: dict = field(default_factory=dict)
 
     @property
     def span_slots(self) -> Tensor:
@@ -158,8 +160,9 @@ class ScoredPolicy(SlotPolicy):
         number). With one, selection is a partial sort of that many candidates, not a full sort."""
         return None
 
-    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor) -> None:
-        """After the eviction is applied (state updates)."""
+    def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
+        """After the eviction is applied (state updates; ``scores.derived`` holds what
+        :meth:`priority` computed for it: planning must not change the policy)."""
 
     def on_new(self, slots: Tensor) -> None:
         """Slots ``[L, H, C]`` that a (re)opened chunk takes."""
@@ -277,7 +280,8 @@ class ScoredPolicy(SlotPolicy):
         pos = st.positions[..., : st.capacity]
         valid = pos >= 0
         stored = self._queries if self.needs_queries and all(has_q) else None
-        prio = self.priority(Scores(pos, valid, start, n, key_max, key_sum, st, stored))
+        scores = Scores(pos, valid, start, n, key_max, key_sum, st, stored)
+        prio = self.priority(scores)
         held = torch.where(valid, prio, 0.0)
         if self.check_finite:
             finite = torch.isfinite(held).all(dim=(-1, -2))
@@ -300,7 +304,7 @@ class ScoredPolicy(SlotPolicy):
             self.evictions += n_evict
             self.nonfinite += (bad & evict).sum(-1)
             self.dropped_mass_bound.copy_(dropped)
-            self.on_commit(evict, prio, valid)
+            self.on_commit(evict, prio, valid, scores)
 
         def evicted() -> Tensor:
             return torch.nn.functional.pad(evict, (0, st.recall_slots))
