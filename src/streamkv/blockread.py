@@ -75,11 +75,21 @@ class BlockPlan:
     slots: int = 0
     block: int = 4096
     lse: bool = False
+    #: what a read computes once and its later passes reuse (the positions are the same): masks by
+    #: (segment, block, ...) for segments marked ``stable``; None: nothing kept
+    memo: dict | None = None
 
 
-def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None) -> Tensor:
+def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None, key: tuple | None = None) -> Tensor:
     """Bool mask (True hides) of one block's ``positions [H, s]``, laid out against scores
-    ``[..., G*Q, s]`` (``[..., 1, s]`` without causality); ``rows``: the query rows scored."""
+    ``[..., G*Q, s]`` (``[..., 1, s]`` without causality); ``rows``: the query rows scored; ``key``
+    names it in ``plan.memo`` (a stable segment's block: computed once per read)."""
+    if key is not None and plan.memo is not None:
+        key = ("mask", *key, groups, plan.causal, plan.window, None if rows is None else (rows.start, rows.stop))
+        got = plan.memo.get(key)
+        if got is None:
+            got = plan.memo[key] = _mask(plan, pos, groups, rows)
+        return got
     if plan.causal:
         qp = plan.query_positions if rows is None else plan.query_positions[rows]
         hidden = position_mask(pos, qp, plan.window)
@@ -91,10 +101,12 @@ def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None) 
 
 
 def _blocks(plan: BlockPlan):
-    """``(segment, a, b)`` for every block of every segment, in order."""
-    for seg in plan.segments:
+    """``(segment, a, b, key)`` for every block of every segment, in order (``key``: the block's
+    name in ``plan.memo`` when its segment is stable, else None)."""
+    for i, seg in enumerate(plan.segments):
         for a in range(0, seg.n, plan.block):
-            yield seg, a, min(a + plan.block, seg.n)
+            b = min(a + plan.block, seg.n)
+            yield seg, a, b, ((i, a, b) if seg.stable else None)
 
 
 def _keys(plan: BlockPlan, seg: Segment, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -165,10 +177,10 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     m = s_acc = m_own = s_own = None
     all_own = all(seg.slots is not None for seg in plan.segments)
     o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
-    for seg, a, b in _blocks(plan):
+    for seg, a, b, key in _blocks(plan):
         fuse = fused and seg.features[0] == seg.features[1]
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
-        hidden = _mask(plan, seg.positions[:, a:b], groups)
+        hidden = _mask(plan, seg.positions[:, a:b], groups, key=key)
         q = queries(seg.k_basis)
         if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
@@ -253,12 +265,12 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     H, S, dev = heads, plan.slots, qt.device
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
-    for seg, a, b in _blocks(plan):
+    for seg, a, b, key in _blocks(plan):
         slots = seg.slot_index()
         if slots is None:
             continue
         k, _ = _keys(plan, seg, a, b)
-        hidden = _mask(plan, seg.positions[:, a:b], groups, rows)
+        hidden = _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
         s = (queries(seg.k_basis).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
             hidden, float("-inf"))
         p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64)  # [..., G*r, s]

@@ -27,7 +27,7 @@ cache-relative RoPE) exists only where every head holds the same positions; else
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -64,15 +64,14 @@ class KVRead:
         scorer, statistic: for a policy that needs queries: the per-slot statistics it declared
             (:class:`Statistic`) go to ``scorer(max, sum)`` (``[H, S]`` each, None if not asked).
         name: ``"<kind> layer <i>"``, for messages.
-        source: ``source(positions)`` gives the read's segments: the store's, whose slots hold
-            ``positions``, then any an observer adds.
+        source: ``source(positions)`` gives the store's segments, whose slots hold ``positions``.
         generation, lifecycle: the lifecycle generation the read was made in; a read kept
             across a begin, commit, reset or load is refused (:meth:`check_current`). None in a
             compiled step (traced reads are rebuilt every call).
         rope_at_read: None when keys are stored as attended; else the cache's
             :class:`~streamkv.rope_at_read.RopeAtRead`: raw keys, rotated with the queries by
             ``attend`` (a block of slots at a time).
-        extra: observers add segments to this read (the compressed tier).
+        extras: the segments observers add to this read (the compressed tier), or None.
     """
 
     dims: Dims
@@ -93,7 +92,10 @@ class KVRead:
     generation: int | None = None
     lifecycle: Lifecycle | None = None
     rope_at_read: Any = None
-    extra: bool = False
+    extras: Callable[[], list[Segment]] | None = None
+    #: what this read computed and its later passes (denoising steps) reuse while the slot positions
+    #: are unchanged: the store's segments, masks of their blocks (keyed by the positions' version)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def seq_dim(self) -> int:
@@ -114,9 +116,25 @@ class KVRead:
             self.lifecycle.check_current(self.generation, f"this read of {self.name}")
 
     def segments(self) -> list[Segment]:
-        """What the read attends (the store's segments at this read's :attr:`positions`, then an
-        observer's)."""
-        return self.source(self.positions)
+        """What the read attends (the store's segments at this read's :attr:`positions`, kept while
+        they are unchanged; then an observer's, built anew)."""
+        memo = self._kept()
+        own = None if memo is None else memo.get("own")
+        if own is None:
+            own = self.source(self.positions)
+            if memo is not None:
+                memo["own"] = own
+        return own + self.extras() if self.extras is not None else own
+
+    def _kept(self) -> dict | None:
+        """The memo of this read's current positions (None in a compiled step: traced each call)."""
+        if self.generation is None or torch.compiler.is_compiling():
+            return None
+        version = self.positions._version  # bumped by any in-place change (recall slots filled, a load)
+        if self._memo.get("version") != version:
+            self._memo.clear()
+            self._memo["version"] = version
+        return self._memo
 
     def block_plan(self, qt: Tensor, *, scale: float, causal: bool = False, window: int | None = None,
                    statistic: Statistic | None = None, block: int = 16384, lse: bool = False,
@@ -132,7 +150,7 @@ class KVRead:
             block = self.rope_at_read.block
         segments = self.segments() if segments is None else segments
         return qt, BlockPlan(segments, self.dims, scale, self.query_positions, causal, window, rotation, statistic,
-                             self.dims.slots, block, lse)
+                             self.dims.slots, block, lse, self._kept())
 
     def stored(self) -> tuple[Tensor, Tensor]:
         """The keys and values every slot holds, as stored (layer layout, every slot; raw keys of a
@@ -169,7 +187,7 @@ class KVRead:
         why = []
         if self.rope_at_read is not None:
             why.append("its keys are raw and rotated at read by a position map (attend() rotates them)")
-        if self.extra:
+        if self.extras is not None:
             why.append("an observer adds rows to the read (a compressed tier): attend() reads them in one softmax")
         segs = self.segments() if not why else []
         if not why and (len(segs) != 1 or not segs[0].contiguous):

@@ -75,9 +75,8 @@ class Reads:
             read = memo[(layer, occupancy, extra)] = self._make(layer, occupancy, extra=extra)
         return read
 
-    def _segments(self, layer: int, extra: bool, positions: Tensor) -> list[Segment]:
-        own = self.storage.store.segments(layer, positions)
-        return own + self._extra(layer) if extra and self._extra is not None else own
+    def _own(self, layer: int, positions: Tensor) -> list[Segment]:
+        return self.storage.store.segments(layer, positions)
 
     def _make(self, layer: int, occupancy: Occupancy, traced: bool = False, extra: bool = False) -> KVRead:
         st, lc = self.storage, self.lifecycle
@@ -96,8 +95,9 @@ class Reads:
             chronological_refusal=refusal if not traced else (refusal or "not inside a compiled step"),
             scorer=partial(pol.receive, layer) if pol.needs_queries else None,
             statistic=pol.statistic if pol.needs_queries else None, name=f"{pol.name} cache layer {layer}",
-            source=partial(self._segments, layer, extra), generation=None if traced else lc.generation,
-            lifecycle=None if traced else lc, rope_at_read=self.rope_at_read, extra=extra,
+            source=partial(self._own, layer), generation=None if traced else lc.generation,
+            lifecycle=None if traced else lc, rope_at_read=self.rope_at_read,
+            extras=partial(self._extra, layer) if extra and self._extra is not None else None,
         )
 
     def chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:

@@ -386,7 +386,7 @@ class CompressedTier(CacheObserver):
             values=self.v_codes[layer], features=(self.D, self.Dv), dtype=torch.promote_types(cache.dtype, torch.float32),
             k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
             k_scale=None if self.k_scale is None else self.k_scale[layer],
-            v_scale=None if self.v_scale is None else self.v_scale[layer], slots=None)]
+            v_scale=None if self.v_scale is None else self.v_scale[layer], slots=None, stable=False)]
 
     # ------------------------------------------------------------- certificate
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:

@@ -93,6 +93,10 @@ class Segment:
     pages: Tensor | None = None
     page: int = 0
     host_pages: tuple[int, ...] | None = field(default=None, compare=False)
+    #: the rows' positions change only when the cache's slot positions do (a store's own segments;
+    #: not a compressed tier's, whose entries change at every recall): a read may keep what it
+    #: derives from them across its passes
+    stable: bool = True
 
     @property
     def dense(self) -> bool:
