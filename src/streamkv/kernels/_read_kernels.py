@@ -150,7 +150,7 @@ def _halves(D: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOC
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr, UP: tl.constexpr, ACC: tl.constexpr):
-    """``a @ b (+ acc)`` in ``ACC``. ``IEEE``: float32 operands in IEEE precision (not TF32). ``UP``:
+    """``a @ b (+ acc)`` in ``ACC``. ``IEEE``: float32 / float64 operands in IEEE precision (not TF32). ``UP``:
     bfloat16 operands widened to float32 first (exact: the products of bfloat16 numbers are float32
     numbers, accumulated in float32 as the tensor cores do) -- for the interpreter, whose product of
     bfloat16 tensors multiplies their bit patterns."""

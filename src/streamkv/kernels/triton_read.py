@@ -479,8 +479,8 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
             by_basis[id(basis)] = (q4.to(acc) @ basis.T.to(acc)).to(qdt)
         return by_basis[id(basis)]
 
-    common = dict(D=D, HALF=half, BLOCK_DH=block_dh, ACC=_tl(acc), QT=_tl(qdt), IEEE=qdt == torch.float32,
-                  UP=interp and qdt == torch.bfloat16,
+    common = dict(D=D, HALF=half, BLOCK_DH=block_dh, ACC=_tl(acc), QT=_tl(qdt),
+                  IEEE=qdt in (torch.float32, torch.float64), UP=interp and qdt == torch.bfloat16,
                   CAUSAL=causal, WINDOW=window > 0, LIMB=_LIMB)
     if rot is not None:
         common.update(ROTATE=True, INTERLEAVED=rot.interleaved, F_MOVE=rot.f_move, NPAIR=D // 2, NSTAT=rot.nstat,
