@@ -15,7 +15,8 @@ Families (every format of :data:`~streamkv.stores.KV_FORMATS`, every map of
 with holes, causal windows, statistics of the newest rows, split keys); dense rows in every
 dtype at prefill and decode shapes; RoPE at read through a ring cache (Rope1D half and
 interleaved, FrameRope; dense and quantised); rotation offsets far into a stream (every limb)
-and fractional ones; page tables; rows outside the cache's slots (a tier) beside its slots;
+and fractional ones; page tables; rows outside the cache's slots (a tier) beside its slots, and a
+query row that sees the tier's rows only;
 other layouts; decoding split over programs; hidden rows holding NaN; a row that sees nothing;
 a scored quantised cache's own plan.
 """
@@ -248,7 +249,9 @@ def reference(q: Tensor, plan: BlockPlan) -> dict[str, Tensor | None]:
         S, Q = plan.slots, q.shape[-2]
         r = Q if st.rows is None else min(st.rows, Q)
         so = s[..., own]
-        p = torch.exp(so - torch.logsumexp(so, -1, keepdim=True))[..., Q - r:, :]  # [*rest, Hq, r, N_own]
+        lse_own = torch.logsumexp(so, -1, keepdim=True)
+        # a row that sees no slot (only rows outside them) gives every slot p = 0
+        p = torch.where(torch.isneginf(lse_own), 0.0, torch.exp(so - lse_own))[..., Q - r:, :]  # [*rest, Hq, r, N]
         p = p.reshape(-1, heads, G * r, p.shape[-1]).transpose(0, 1).reshape(heads, -1, p.shape[-1])
         dest = slot[:, own]
         dest = torch.where(dest >= 0, dest, S)
@@ -460,6 +463,24 @@ def _tier(reduce: tuple[str, ...]) -> Callable[[torch.device, Size], Case]:
     return build
 
 
+def _no_slot_seen(dev: torch.device, sz: Size) -> Case:
+    """A query row that sees rows outside the cache's slots only (a tier's, at earlier positions) and
+    none of its slots: its output comes from the tier's rows, and it adds nothing to the slots'
+    statistics (``read_blocks`` normalises it by ``lse = -inf``: NaN statistics for every slot of
+    every head, so it is not compared here)."""
+    B, H, D = sz.batch, sz.heads, sz.features
+    g = torch.Generator().manual_seed(13)
+    S, T = 6 * sz.rows, 4 * sz.rows
+    q = _randn(g, B, H, 2, D)
+    k, v = _randn(g, B, H, S, D).to(dev), _randn(g, B, H, S, D).to(dev)
+    kt, vt = _randn(g, B, H, T, D).to(dev), _randn(g, B, H, T, D).to(dev)
+    segs = [segment(k, v, torch.arange(T + 6, T + 6 + S).expand(H, -1), torch.float64, slots=0),
+            segment(kt, vt, torch.arange(T).expand(H, -1), torch.float64, slots=None)]
+    plan = _plan(sz, segs, S=S, Q=2, qpos=torch.tensor([T + 1, T + 8]), causal=True, statistic=Statistic(),
+                 device=dev)
+    return Case(q.to(dev), plan, against_reference=False)
+
+
 def _layout(kind: str) -> Callable[[torch.device, Size], Case]:
     def build(dev: torch.device, sz: Size) -> Case:
         """Heads as the first leading dim (``[H, B, S, D]``: K/V ``(H, S, B, D)``), or no head dim at
@@ -565,6 +586,7 @@ CASES: dict[str, Callable[[torch.device, Size], Case]] = {
     **{f"limbs-{m}": _limbs(m) for m in ("absolute", "custom")},
     "paged": _paged,
     **{f"tier-{r[0]}": _tier(r) for r in (("max",), ("sum",))},
+    "tier-only-seen": _no_slot_seen,
     **{f"layout-{k}": _layout(k) for k in ("heads-first", "no-heads")},
     "decode-split": _decode_split,
     "hidden-nan": _hidden_nan,

@@ -34,7 +34,26 @@ Launches (per read):
 
 Rounding: scores and the softmax in float32 (float64 for float64 queries), the two products in
 the queries' dtype (decoded or rotated keys rounded to it, as the reference's fused block does;
-float32 products in IEEE precision, not TF32), statistics summed in float64.
+float32 and float64 products in IEEE precision, not TF32), rotation angles from the limbs in
+float64 then taken in float32 (float64) as :meth:`~streamkv.rotary.Rotary.cos_sin` takes them,
+statistics summed in float64.
+
+Where it differs from :func:`~streamkv.blockread.read_blocks` (both on purpose): a hidden row
+(position -1) weighs nothing whatever it holds (the reference multiplies its values by 0: NaN
+where they are NaN); a query row that sees no cache slot (only rows outside the slots, a tier's)
+adds nothing to the statistics (the reference normalises it by ``-inf``: NaN statistics for
+every slot). Refused (:func:`why_not`): keys in a storage basis read with rotation at read (the
+reference rotates the stored ``k @ R.T``, which is not ``k`` rotated: exact only with ``R`` applied
+to every key block), rotaries other than :class:`~streamkv.rotary.Rope1D` /
+:class:`~streamkv.rotary.FrameRope`, codecs other than those of
+:data:`~streamkv.stores.KV_FORMATS`' classes, feature sizes above :data:`MAX_FEATURES`, layouts
+whose leading dims besides the heads do not merge into one stride (the kernel never copies a
+buffer), float dtypes other than float16 / bfloat16 / float32 / float64.
+
+On the CPU the kernels run in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before
+``triton`` is first imported (:func:`interpreter_reason`); its product of bfloat16 tensors
+multiplies their bit patterns, so there bfloat16 operands are widened to float32 first (exact:
+the same products, accumulated in float32 as the tensor cores do).
 
 Graph safety: no host read of a tensor value, no host-to-device copy, no synchronisation: every
 changing input (positions, rotation offsets, page tables, query positions, map parameters) is
@@ -138,6 +157,10 @@ def _tl(dtype: torch.dtype) -> Any:
 
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
             torch.float64: tl.float64}[dtype]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _pow2(x: int, least: int = 16) -> int:
@@ -440,7 +463,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
     block_n = config.block_n or (16 if interp else 64)
     num_warps = config.num_warps or (8 if block_m >= 128 else 4)
     num_stages = config.num_stages or (1 if interp else 2)
-    m_blocks = -(-GQ // block_m)
+    m_blocks = _cdiv(GQ, block_m)
     segs = [s for s in plan.segments if s.n > 0]
     owned = [s for s in segs if s.slots is not None]
     order = owned + [s for s in segs if s.slots is None]  # the slots' parts first: their lse is a prefix
@@ -453,10 +476,10 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
         else:
             programs = m_blocks * R * H
             target = 2 * _sms(dev)
-            sp = 1 if programs >= target else -(-target // programs)
-        sp = max(1, min(sp, -(-seg.n // block_n)))
-        per = -(-(-(-seg.n // sp)) // block_n) * block_n
-        splits.append((-(-seg.n // per), per))
+            sp = 1 if programs >= target else _cdiv(target, programs)
+        sp = max(1, min(sp, _cdiv(seg.n, block_n)))
+        per = _cdiv(_cdiv(seg.n, sp), block_n) * block_n  # keys per split: whole key blocks
+        splits.append((_cdiv(seg.n, per), per))
     parts = sum(s for s, _ in splits)
     own_parts = sum(s for (s, _), seg in zip(splits, order) if seg.slots is not None)
     out4 = torch.empty((R, Hq, Q, Dv), dtype=qdt, device=dev)
@@ -525,7 +548,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
     lse_own = torch.empty((R * H * GQ,), dtype=acc, device=dev) if need_own else lse4
     if parts > 1:
         mb = 16 if interp else 64
-        k.merge_kernel[(-(-(R * H * GQ) // mb),)](
+        k.merge_kernel[(_cdiv(R * H * GQ, mb),)](
             ws_o, ws_l, parts, own_parts, out4, lse4, lse_own, R * H * GQ,
             DV=Dv, BLOCK_M=mb, BLOCK_DV=block_dv, OWN=need_own, ACC=_tl(acc), num_warps=4)
     kmax = ksum = None
@@ -541,7 +564,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
                 continue
             smax = torch.empty((H, seg.n), dtype=torch.float64, device=dev) if kmax is not None else lse4
             ssum = torch.empty((H, seg.n), dtype=torch.float64, device=dev) if ksum is not None else lse4
-            k.stat_kernel[(-(-seg.n // sbn), H)](
+            k.stat_kernel[(_cdiv(seg.n, sbn), H)](
                 qs, *qs.stride(), *key_args, *tail, lse_own, smax, ssum,
                 seg.n, Q, G, H, R, rows_sel, window, *scale,
                 BLOCK_M=sbm, BLOCK_N=sbn, DO_MAX=kmax is not None, DO_SUM=ksum is not None,
