@@ -604,12 +604,15 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
     """The Triton block read (:mod:`streamkv.kernels`), in one section with its own time budget:
 
     (a) every case of :data:`streamkv.kernels.cases.CASES` (the ones the CPU suite runs under the
-    interpreter) natively, at the ``medium`` size (128 features, thousands of rows, the kernel's own
-    tiles), against float64 within the per-element bounds of the queries' dtype, and against
-    ``read_blocks``; (b) a full chunk step as one CUDA graph, replayed across wraps, 0 host syncs;
-    (c) timings (CUDA events, median) of the kernel at the Self-Forcing, LingBot-World and
-    SmolLM2-decode shapes for bf16, int8, fp8 and int4 rows, with and without RoPE at read, and with
-    a tier-like extra segment, against SDPA over dense bf16 keys (and FlashAttention where installed).
+    interpreter) natively at the ``tiny`` size, against float64 within the per-element bounds of the
+    queries' dtype, and against ``read_blocks``; (b) timings (CUDA events, median of 10) of the
+    kernel at the Self-Forcing, LingBot-World and SmolLM2-decode shapes for bf16, int8, fp8 and int4
+    rows, with and without RoPE at read, and with a tier-like extra segment, against SDPA over dense
+    bf16 keys (and FlashAttention where installed); (c) a full chunk step as one CUDA graph, replayed
+    across wraps, 0 host syncs; (d) the cases at the ``medium`` size (128 features, thousands of rows,
+    the kernel's own tiles), a case of each family first. Each part stops where the budget says
+    (what is skipped is recorded); compiling the kernels is most of the time (a variant a few
+    seconds), so a rerun with ``--only triton_read --triton-budget-s 540`` completes every part.
 
     On the CPU (the dry run) the kernels run in Triton's interpreter at the ``tiny`` size, a case of
     each family, the timing shapes shrunk; where this process imported triton before
@@ -628,51 +631,50 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
     import torch.nn.functional as F
 
     from streamkv.kernels import triton_read, why_not
-    from streamkv.kernels.cases import CASES, SIZES, compare, within
+    from streamkv.kernels.cases import CASES, SIZES, compare
 
     t0 = time.perf_counter()
     left = lambda: budget_s - (time.perf_counter() - t0)  # noqa: E731
-    out: dict = {"cases": {}, "timing": {}, "budget_s": budget_s}
-    # (a) the cases, one of each family first
-    size = "tiny" if dry else "medium"
+    out: dict = {"timing": {}, "budget_s": budget_s}
     families: dict[str, list[str]] = {}
     for name in CASES:
         families.setdefault(name.split("-")[0], []).append(name)
-    order = [names[0] for names in families.values()]
-    if not dry:
-        order += [n for names in families.values() for n in names[1:]]
-    skipped, worst_all = [], {}
-    for name in order:
-        if left() < (0.6 if dry else 0.5) * budget_s:  # the cases take at most half the section
-            skipped.append(name)
-            continue
-        case = CASES[name](device, SIZES[size])
-        why = why_not(case.q, case.plan)
-        if why is not None:
-            out["cases"][name] = {"refused": why}
-            worst_all[name] = float("inf")
-            continue
-        got = triton_read(case.q, case.plan, case.config)
-        w = compare(got, case)
-        out["cases"][name] = w
-        worst_all[name] = max(v / (2.0 if k.endswith("_vs_read_blocks") else 1.0) for k, v in w.items())
-    bad = {n: v for n, v in worst_all.items() if not v <= 1.0}
-    record(f"Triton read: {len(worst_all)} cases against float64 ({size})", not bad,
-           f"worst error / bound {max(worst_all.values(), default=0):.3f}" + (f"; over the bound: {bad}" if bad else "")
-           + (f"; skipped for time: {skipped}" if skipped else ""))
-    out["cases_skipped"] = skipped
-    # (b) the graph
-    if left() >= (5 if dry else 20):
-        out["graph"] = _triton_graph_step(device, dry)
-    else:
-        record("Triton read: a chunk step as one CUDA graph across wraps", None, "skipped: the section's budget is spent")
-    # (c) timings
+    firsts = [names[0] for names in families.values()]
+    rest = [n for names in families.values() for n in names[1:]]
+
+    def run_cases(size: str, names: list[str], keep_s: float) -> None:
+        """The cases ``names`` at ``size`` while more than ``keep_s`` of the budget is left."""
+        skipped, worst = [], {}
+        for name in names:
+            if left() < keep_s:
+                skipped.append(name)
+                continue
+            case = CASES[name](device, SIZES[size])
+            why = why_not(case.q, case.plan)
+            if why is not None:
+                out["cases"][size][name] = {"refused": why}
+                worst[name] = float("inf")
+                continue
+            w = compare(triton_read(case.q, case.plan, case.config), case)
+            out["cases"][size][name] = w
+            worst[name] = max(v / (2.0 if k.endswith("_vs_read_blocks") else 1.0) for k, v in w.items())
+        out["cases_skipped"][size] = skipped
+        bad = {n: v for n, v in worst.items() if not v <= 1.0}
+        record(f"Triton read: {len(worst)} cases against float64 ({size})", not bad if worst else None,
+               f"worst error / bound {max(worst.values(), default=0):.3f}" + (f"; over the bound: {bad}" if bad else "")
+               + (f"; skipped for time: {skipped}" if skipped else ""))
+
+    out["cases"], out["cases_skipped"] = {"tiny": {}, "medium": {}}, {}
+    # (a) every case at the tiny size (the interpreter's shapes; small kernels compile fast)
+    run_cases("tiny", firsts if dry else firsts + rest, 0.75 * budget_s)
+    # (b) timings
     try:
         from flash_attn import flash_attn_func
     except ImportError:
         flash_attn_func = None
     out["flash_attn"] = flash_attn_func is not None
     timed = (lambda fn: _time_once(fn, device)) if dry else (lambda fn: _timed(fn, device, 10))  # noqa: E731
+    keep = max(30.0, 0.2 * budget_s)  # left for the graph
     for shape in TRITON_SHAPES:
         rows: dict = {}
         s = _triton_shape(shape, dry)
@@ -680,7 +682,7 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
         for fmt, group in TRITON_FORMATS.items():
             for rope in (False, True):
                 label = f"{fmt}{' + rope at read' if rope else ''}"
-                if left() < (1 if dry else 8):
+                if left() < (1 if dry else keep):
                     rows[label] = None
                     continue
                 q, plan, _ = _triton_timing_read(shape, None if fmt.startswith("bf16") else fmt, group, rope, False,
@@ -688,7 +690,7 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
                 ms = timed(lambda: triton_read(q, plan))
                 rows[label] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
                 del q, plan
-        if left() >= (1 if dry else 8):
+        if left() >= (1 if dry else keep):
             q, plan, _ = _triton_timing_read(shape, None, None, False, True, dry, device)
             ms = timed(lambda: triton_read(q, plan))
             rows["bf16 (dense) + int8 tier (S/8 rows)"] = {"ms": ms, "tflops": flops * 9 / 8 / (ms * 1e-3) / 1e12}
@@ -715,6 +717,15 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
                          if len(done) < len(rows) else ""))
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # (c) the graph
+    if left() >= (5 if dry else 20):
+        out["graph"] = _triton_graph_step(device, dry)
+    else:
+        record("Triton read: a chunk step as one CUDA graph across wraps", None, "skipped: the section's budget is spent")
+    # (d) the cases at the medium size (128 features, thousands of rows, the kernel's own tiles), a case of each
+    # family first, as the budget allows (--only triton_read --triton-budget-s 540 runs them all)
+    if not dry:
+        run_cases("medium", firsts + rest, 10.0)
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -7,7 +7,8 @@
 Shapes are tiny (the interpreter runs every program in numpy): a few heads, 16 features, tens of
 rows, tiles of 16, so that reads span several key blocks, several query tiles and (forced) splits."""
 
-import math
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -148,3 +149,93 @@ def test_the_package_imports_without_triton():
             "assert 'triton is not installed' in k.why_not(__import__('torch').zeros(1, 1), None)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_tiles_shrink_until_the_device_has_the_resources(monkeypatch):
+    """A launch refused for its shared memory (a GPU smaller than the tiles assume) is retried with
+    smaller tiles -- keys per step, then query rows -- and the tiles that fit are remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    tr = importlib.import_module("streamkv.kernels.triton_read")  # the module (the package exports its function)
+    case = CASES["dense-bfloat16-prefill"](CPU, TINY)
+    tried = []
+
+    def fake_read(qt, plan, tiles, native):
+        tried.append((tiles.block_m, tiles.block_n))
+        if tiles.block_m * tiles.block_n > 32 * 16:
+            raise OutOfResources(2 * tiles.block_m * tiles.block_n, 1024, "shared memory")
+        return tiles
+
+    monkeypatch.setattr(tr, "_read", fake_read)
+    monkeypatch.setattr(tr, "_FITTING", {})
+    asked = tr.KernelConfig(block_m=128, block_n=64, stat_block_m=64, stat_block_n=64, num_warps=8, num_stages=2)
+    got = tr._fitting(case.q, case.plan, asked)
+    assert tried == [(128, 64), (128, 32), (128, 16), (64, 16), (32, 16)]
+    assert (got.block_m, got.block_n, got.num_warps) == (32, 16, 4)
+    tried.clear()
+    assert tr._fitting(case.q, case.plan, asked) == got and tried == [(32, 16)]  # remembered: one launch
+    monkeypatch.setattr(tr, "_FITTING", {})
+    monkeypatch.setattr(tr, "_read", lambda *a, **k: (_ for _ in ()).throw(OutOfResources(1, 0, "shared memory")))
+    with pytest.raises(OutOfResources):  # nothing smaller than 16 x 16 with one stage
+        tr._fitting(case.q, case.plan, asked)
+
+
+#: compiled for a Hopper GPU without one: a stand-in driver, launches skipped (ptxas ships with triton)
+_COMPILE = r"""
+import json, torch, importlib
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+class Hopper:
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+    def is_active(self): return True
+
+driver.set_active(Hopper())
+built = []
+run = JITFunction.run
+def compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+    built.append((self.fn.__name__, kernel.metadata.shared, kernel.metadata.num_warps))
+    return kernel
+JITFunction.run = compile_only
+tr = importlib.import_module("streamkv.kernels.triton_read")
+from streamkv.blockread import BlockPlan, Statistic
+from streamkv.kernels.cases import rotation_plan, segment
+from streamkv.rope import Rope3D
+from streamkv.rotary import FrameRope
+from streamkv.stores import Dims
+
+# bf16 queries over int4 keys and fp8 values in pages, FrameRope at read, statistics, keys split over
+# programs: the three kernels at 128 features and the tiles of a chunk (128 x 64)
+B, H, D, S, Q = 1, 2, 128, 512, 256
+g = torch.Generator().manual_seed(0)
+k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+pos = torch.arange(S).expand(H, -1)
+qpos = torch.arange(S - Q, S)
+rot = rotation_plan(FrameRope(Rope3D(D, 2, 2)), qpos, pos, "cache_relative")
+seg = segment(k, v, pos, torch.bfloat16, fmt="int4", vfmt="fp8", group=32, page=64, g=g)
+plan = BlockPlan([seg], Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=Q), D ** -0.5, qpos, True,
+                 None, rot, Statistic(rows=64), S)
+q = torch.randn(B, 2 * H, Q, D, generator=g).bfloat16()
+tr._read(q, plan, tr._tiles(q, plan, tr.KernelConfig(), True), native=True)
+print(json.dumps(built))
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """The compiled path (what the interpreter does not check: types, layouts, tiles, shared memory):
+    the three kernels at 128 features built for sm_90 by Triton's own compiler, without a GPU, in a
+    process without the interpreter; their shared memory within an H100/H200 block's 227 KiB. (Every
+    case of the registry compiles alike; this read takes every path of the code decoding at once.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    built = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {name for name, _, _ in built} == {"attn_kernel", "merge_kernel", "stat_kernel"}, built
+    assert all(shared <= 227 * 1024 for _, shared, _ in built), built

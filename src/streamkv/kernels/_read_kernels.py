@@ -246,7 +246,10 @@ def attn_kernel(
     o = acc / l_i[:, None]  # 0/0 = NaN where the part sees nothing (its lse is -inf: weight 0)
     if V_BASIS:  # the segment's output leaves its storage basis once: o @ R
         rb = tl.load(VB + dv[:, None] * DV + dv[None, :], mask=dvm[:, None] & dvm[None, :], other=0.0).to(ACC)
-        o = tl.dot(o, rb, input_precision="ieee", out_dtype=ACC)
+        if ACC == tl.float64:
+            o = tl.dot(o, rb, input_precision="ieee", out_dtype=ACC)
+        else:  # three TF32 products: float32's accuracy on the tensor cores
+            o = tl.dot(o, rb, input_precision="tf32x3", out_dtype=ACC)
     flat = (part + pid_s).to(tl.int64) * tl.num_programs(1) * GQ + pid_rh * GQ + rows
     tl.store(O + flat[:, None] * DV + dv[None, :], o.to(O.dtype.element_ty), mask=qm & dvm[None, :])
     tl.store(L + flat, lse.to(L.dtype.element_ty), mask=row_ok)

@@ -67,9 +67,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -429,15 +428,75 @@ def triton_read(qt: Tensor, plan: BlockPlan, config: KernelConfig | None = None)
     reasons = _reasons(qt, plan)
     if reasons:
         raise ValueError("the Triton read cannot serve this plan: " + "; ".join(reasons))
-    if qt.device.type != "cpu":
-        return _read(qt, plan, config or KernelConfig())
+    native = qt.device.type != "cpu"
+    tiles = _tiles(qt, plan, config or KernelConfig(), native)
+    if native:
+        return _fitting(qt, plan, tiles)
     import numpy as np  # the interpreter runs the kernels in numpy: -inf and 0/0 are meant (hidden rows)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return _read(qt, plan, config or KernelConfig())
+        return _read(qt, plan, tiles, native=False)
 
 
-def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
+def _tiles(qt: Tensor, plan: BlockPlan, config: KernelConfig, native: bool) -> KernelConfig:
+    """``config`` with every tile chosen (``splits`` stays as given: 0 is chosen per segment). The
+    interpreter: 16 x 16. Compiled: 16-bit queries on the tensor cores 128 (64 for short or wide
+    reads) x 64; float32 / float64 products on the FMA units 64 x 32; decoding (at most 16 rows) 16."""
+    H, ha = plan.dims.heads, plan.dims.head_axis
+    G = 1 if ha is None else qt.shape[ha] // H
+    GQ, D, wide = G * qt.shape[-2], qt.shape[-1], qt.dtype.itemsize
+    if not native:
+        bm = bn = sbm = sbn = 16
+    else:
+        bm = 16 if GQ <= 16 else 64 if GQ <= 64 or D > 128 or wide > 2 else 128
+        bn = 64 if wide == 2 else 32
+        sbm, sbn = 64, bn
+    bm, bn = config.block_m or bm, config.block_n or bn
+    return KernelConfig(block_m=bm, block_n=bn, splits=config.splits, stat_block_m=config.stat_block_m or sbm,
+                        stat_block_n=config.stat_block_n or sbn, num_warps=config.num_warps or (8 if bm >= 128 else 4),
+                        num_stages=config.num_stages or (2 if native else 1))
+
+
+#: tiles that fit the device, by (device, query dtype, features, requested tiles): after a launch
+#: refused for its shared memory (a smaller GPU), the tiles shrunk until it fits, remembered
+_FITTING: dict[tuple, KernelConfig] = {}
+
+
+def _shrink(t: KernelConfig) -> KernelConfig | None:
+    """Smaller tiles (keys per step, then query rows per program, then one pipeline stage), or None."""
+    if t.block_n > 16 or t.stat_block_n > 16:
+        return replace(t, block_n=max(16, t.block_n // 2), stat_block_n=max(16, t.stat_block_n // 2))
+    if t.block_m > 16 or t.stat_block_m > 16:
+        bm = max(16, t.block_m // 2)
+        return replace(t, block_m=bm, stat_block_m=max(16, t.stat_block_m // 2), num_warps=min(t.num_warps, 4))
+    if t.num_stages > 1:
+        return replace(t, num_stages=1)
+    return None
+
+
+def _fitting(qt: Tensor, plan: BlockPlan, tiles: KernelConfig) -> Blockwise:
+    """:func:`_read` with tiles that fit the device: a launch refused for its resources (raised when
+    the compiled kernel is first loaded, before anything runs: warm-up, never under capture) is
+    retried with :func:`_shrink`'s tiles, and the tiles that fit are remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (qt.device, qt.dtype, qt.shape[-1], plan.segments[0].features[1], tiles)
+    t = _FITTING.get(key, tiles)
+    while True:
+        try:
+            out = _read(qt, plan, t, native=True)
+        except OutOfResources:
+            t = _shrink(t)
+            if t is None:
+                raise
+            continue
+        _FITTING[key] = t
+        return out
+
+
+def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig, native: bool) -> Blockwise:
+    """The launches with the tiles of ``config`` (:func:`_tiles`; ``native``: compiled kernels, else
+    the interpreter)."""
     k = _kernels()
     dims = plan.dims
     H, ha = dims.heads, dims.head_axis
@@ -455,14 +514,11 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
     q4 = qm.reshape(-1, Hq, Q, D)
     R = q4.shape[0]
     GQ = G * Q
-    interp = dev.type == "cpu"
+    interp = not native
     rot = _rotation(plan, D, acc) if plan.rotation is not None else None
     half = D // 2 if rot is not None else (D + 1) // 2
     block_dh, block_dv = _pow2(half), _pow2(Dv)
-    block_m = config.block_m or (16 if interp or GQ <= 16 else 64 if GQ <= 64 or D > 128 else 128)
-    block_n = config.block_n or (16 if interp else 64)
-    num_warps = config.num_warps or (8 if block_m >= 128 else 4)
-    num_stages = config.num_stages or (1 if interp else 2)
+    block_m, block_n, num_warps, num_stages = config.block_m, config.block_n, config.num_warps, config.num_stages
     m_blocks = _cdiv(GQ, block_m)
     segs = [s for s in plan.segments if s.n > 0]
     owned = [s for s in segs if s.slots is not None]
@@ -475,7 +531,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
             sp = 1
         else:
             programs = m_blocks * R * H
-            target = 2 * _sms(dev)
+            target = 2 * (_sms(dev) if dev.type == "cuda" else 132)
             sp = 1 if programs >= target else _cdiv(target, programs)
         sp = max(1, min(sp, _cdiv(seg.n, block_n)))
         per = _cdiv(_cdiv(seg.n, sp), block_n) * block_n  # keys per split: whole key blocks
@@ -557,8 +613,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig) -> Blockwise:
         kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
         ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
         rows_sel = Q if stat.rows is None else min(stat.rows, Q)
-        sbm = config.stat_block_m or (16 if interp else 64)
-        sbn = config.stat_block_n or (16 if interp else 64)
+        sbm, sbn = config.stat_block_m, config.stat_block_n
         for seg, qs, key_args, tail, kc in prepared:
             if seg.slots is None:
                 continue
