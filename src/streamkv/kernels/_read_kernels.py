@@ -36,6 +36,7 @@ import triton.language as tl
 #: the mode the kernels below were jitted in (Triton fixes it at decoration)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
+
 @triton.jit
 def _fp8_e4m3(b):
     """int32 bytes -> float32 values of e4m3fn (exact; NaN for 0x7f / 0xff), by bit operations

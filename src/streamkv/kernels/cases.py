@@ -154,7 +154,8 @@ def _roundoff(seg: Segment, which: int, dtype: torch.dtype, rotation: Any) -> tu
     their float64 stored values: ``(in u, in ua)``. Rows that are not numbers of ``dtype`` are rounded
     to it (codes decode exactly in float32); rotated keys are rounded to ``dtype`` after the rotation
     (whose own rounding, ``amax + 4`` ua, :func:`reference` adds); keys in a basis are scored against
-    basis queries rounded to ``dtype``; values in a basis come back through ``Dv`` products."""
+    basis queries rounded to ``dtype``; values in a basis come back through ``Dv`` products (three
+    TF32 products in float32: ``5 ua`` each)."""
     x = seg.keys if which == 0 else seg.values
     codec = seg.k_codec if which == 0 else seg.v_codec
     wide = dtype in (torch.float32, torch.float64)
@@ -165,7 +166,9 @@ def _roundoff(seg: Segment, which: int, dtype: torch.dtype, rotation: Any) -> tu
     basis = seg.k_basis if which == 0 else seg.v_basis
     if basis is not None:
         in_u += 1 if which == 0 else 0
-        in_ua += seg.features[which]
+        # the output leaves the basis through Dv products: float64 ones, or three TF32 products in float32
+        # (the low x low term dropped: 2^-22 = 4 ua each)
+        in_ua += seg.features[which] * (1 if dtype == torch.float64 else 5)
     return in_u, in_ua
 
 
