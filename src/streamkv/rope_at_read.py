@@ -272,6 +272,12 @@ class RotationPlan:
         self.rope, self.read = rope, read
         self.inputs, self.origin, self.query_units = inputs, origin, query_units
 
+    @property
+    def rotary(self) -> Rotary:
+        """The rotary on the read's device (its frequency tables there): what a kernel that rotates
+        keys in registers reads besides :meth:`key_units`."""
+        return self.rope._device_rotary
+
     def key_units(self, positions: Tensor) -> Tensor:
         """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value);
         ``[1, N]`` when the read's heads all hold the same positions. The map sees a copy."""
