@@ -149,3 +149,33 @@ def test_queries_with_a_strided_feature_dim():
     want = read_blocks(q.contiguous(), plan).out
     ref = blockwise_attention(q, k, v, position_bias(pos, None, torch.float64).unsqueeze(0), scale=0.5).out
     assert torch.allclose(got, ref, rtol=1e-12, atol=1e-13) and torch.allclose(want, ref, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_keys_stored_in_a_basis_and_rotated_at_read(fmt):
+    """A store in the Hadamard basis read by a cache that rotates raw keys at read: the keys go
+    back to their own basis before the rotation (which does not commute with it), so the read
+    equals float64 attention over the stored values rotated by the map."""
+    from streamkv import KVCache
+    from streamkv.attention import attend
+    from streamkv.quant import KVQuant
+    from streamkv.rope_at_read import RopeAtRead
+    from streamkv.rotary import Rope1D
+
+    rope = RopeAtRead(Rope1D(8), "cache_relative")
+    cache = KVCache((1, 12, 2, 8), (1, 12, 2, 8), seq_dim=1, sink=2, window=10, chunk=3, policy="ring",
+                    dtype=torch.float64, quant=KVQuant(fmt, basis="hadamard"), rope_at_read=rope)
+    g = torch.Generator().manual_seed(12)
+    for c in range(6):
+        q, k, v = (torch.randn(1, 3, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        cache.begin_chunk(c)
+        read = cache.layer(0).update(k, v)
+        out, _ = attend(q, read)
+        plan = rope.plan(read)
+        pos = read.positions
+        keys = plan.keys_at(cache.keys(0).transpose(1, 2), pos)  # the stored values, rotated by the map
+        qr = plan.queries(q.transpose(1, 2))
+        bias = position_bias(pos, None, torch.float64).unsqueeze(0)
+        want = blockwise_attention(qr, keys, cache.values(0).transpose(1, 2), bias, scale=8**-0.5).out.transpose(1, 2)
+        assert torch.allclose(out, want, rtol=1e-9, atol=1e-9), (c, (out - want).abs().max())
+        cache.commit_chunk(c)

@@ -19,13 +19,17 @@ span, or all), the batch and the grouped query heads, where ``p`` is the softmax
 the read attends; float64 ``[H, S]``. They need the final normaliser, so they are a second pass
 over the blocks of the segments that hold cache slots.
 
-On the CPU without statistics each block runs in torch's fused attention kernel (which returns
-its log-sum-exp), in the dtype of the queries (a decoded block is rounded to it: for bf16 and
-fp16 a second rounding of the keys' size; exact for float32/float64).
+On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
+the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
+of the keys' size; exact for float32/float64); the statistics pass scores the same rounded keys.
+A key or value that is not finite poisons the reads of the buffer where it lies even while its
+row is hidden (weights of 0 times NaN): quantised storage refuses them at the commit
+(``check_finite``), and a dense store holds what it was given.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,10 +114,25 @@ def _blocks(plan: BlockPlan):
 
 
 def _keys(plan: BlockPlan, seg: Segment, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    k, v = seg.load(a, b, dtype)
-    if plan.rotation is not None:
-        k = plan.rotation.keys_at(k, seg.positions[:, a:b])
-    return k, v
+    """A block's attendable K/V; rotated at read where the plan says (keys stored in a basis are
+    taken back to theirs first: a rotation by position does not commute with the basis)."""
+    if plan.rotation is None:
+        return seg.load(a, b, dtype)
+    if seg.k_basis is None:
+        k, v = seg.load(a, b, dtype)
+        return plan.rotation.keys_at(k, seg.positions[:, a:b]), v
+    k, v = seg.load(a, b)  # decoded once at float32 or wider, then back out of the basis and rotated
+    k = plan.rotation.keys_at(k @ seg.k_basis.to(k.dtype), seg.positions[:, a:b])
+    return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+
+def _key_basis(plan: BlockPlan, seg: Segment) -> Tensor | None:
+    """The basis the queries meet a segment's keys in (none where the keys were rotated at read)."""
+    return seg.k_basis if plan.rotation is None else None
+
+
+def _fuse(seg: Segment, fused: bool) -> bool:
+    return fused and seg.features[0] == seg.features[1]
 
 
 class _Queries:
@@ -178,10 +197,10 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     all_own = all(seg.slots is not None for seg in plan.segments)
     o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
     for seg, a, b, key in _blocks(plan):
-        fuse = fused and seg.features[0] == seg.features[1]
+        fuse = _fuse(seg, fused)
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
         hidden = _mask(plan, seg.positions[:, a:b], groups, key=key)
-        q = queries(seg.k_basis)
+        q = queries(_key_basis(plan, seg))
         if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
         else:
@@ -262,6 +281,9 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     lse_rows = lse.reshape(*lse.shape[:-1], groups, Q)[..., rows].reshape(*lse.shape[:-1], groups * r)
     acc = torch.promote_types(qt.dtype, torch.float32)
     queries = _Queries(qs)
+    fused = qt.device.type == "cpu" and _FUSED_CPU is not None and not torch.compiler.is_compiling()
+    # a row that sees no cache slot (only an observer's rows) gives every slot 0, not NaN
+    lse_rows = torch.where(torch.isfinite(lse_rows), lse_rows, math.inf)
     H, S, dev = heads, plan.slots, qt.device
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
@@ -269,9 +291,9 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         slots = seg.slot_index()
         if slots is None:
             continue
-        k, _ = _keys(plan, seg, a, b)
+        k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
         hidden = _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
-        s = (queries(seg.k_basis).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
+        s = (queries(_key_basis(plan, seg)).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
             hidden, float("-inf"))
         p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64)  # [..., G*r, s]
         ph = p.movedim(ha, 0).reshape(H, -1, p.shape[-1]) if ha is not None else p.reshape(1, -1, p.shape[-1])

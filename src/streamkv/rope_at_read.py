@@ -281,9 +281,19 @@ class RotationPlan:
     def key_units(self, positions: Tensor) -> Tensor:
         """Rotation offsets ``[H, N]`` of keys at ``positions [H, N]`` (``-1``: empty, any value);
         ``[1, N]`` when the read's heads all hold the same positions. The map sees a copy."""
-        if self.inputs.held.shape[0] == 1:
+        inputs = self.inputs
+        if inputs.held.shape[0] == 1:
             positions = _one_row(positions)
-        return self.rope._evaluate(self.inputs, self.rope._device_rotary.units(positions).clone()) - self.origin
+            if positions.shape[0] > 1:  # the heads hold the same, in a tensor of its own per head
+                inputs = self._per_head(positions.shape[0])
+        return self.rope._evaluate(inputs, self.rope._device_rotary.units(positions).clone()) - self.origin
+
+    def _per_head(self, H: int) -> MapInputs:
+        got = getattr(self, "_inputs_h", None)
+        if got is None or got.held.shape[0] != H:
+            i = self.inputs
+            got = self._inputs_h = MapInputs(i.held.expand(H, -1), i.span_start.expand(H, -1), i.sink)
+        return got
 
     def _tables(self, delta: Tensor, positions: Tensor, dtype: torch.dtype, heads_axis: int | None, lead: int,
                 groups: int = 1) -> tuple[Tensor, Tensor]:

@@ -124,7 +124,8 @@ def rotation_plan(rotary: Rotary, qpos: Tensor, held: Tensor, maps: Any = "absol
     [H, S]`` with queries at ``qpos [Q]``."""
     rope = RopeAtRead(rotary, maps)
     rope.bind(sink=sink, capacity=held.shape[-1], per_head=True, head_dim_size=rotary.head_dim, device=held.device)
-    return rope.plan(SimpleNamespace(positions=held, query_positions=qpos, head_axis=1, name="hand-built read"))
+    return rope.plan(SimpleNamespace(positions=held, query_positions=qpos, head_axis=1, name="hand-built read",
+                                     lifecycle=None, num_retained=None))
 
 
 # ------------------------------------------------------------------------------------------ float64 reference
@@ -210,7 +211,7 @@ def reference(q: Tensor, plan: BlockPlan) -> dict[str, Tensor | None]:
         v = v.masked_fill((p < 0).unsqueeze(-1), 0.0)
         if plan.rotation is not None:
             rot = plan.rotation.rotary
-            ang = rot.angles(plan.rotation.key_units(p), p)
+            ang = rot.angles(plan.rotation.key_units(p).expand_as(p), p)
             amax = max(amax, float(ang.abs().max()))
             k = rot.rotate(k, ang.cos(), ang.sin())
         keys.append(k)

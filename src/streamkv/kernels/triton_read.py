@@ -574,7 +574,7 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig, native: bool) -> Bl
         units = res = hwc = hws = q4
         float_units = False
         if rot is not None:
-            units = plan.rotation.key_units(pos)
+            units = plan.rotation.key_units(pos).expand(H, seg.n)  # [1, n] where the heads hold the same
             float_units = units.dtype.is_floating_point
             units = units.to(torch.float64 if float_units else torch.int64)
             res = rot.residues

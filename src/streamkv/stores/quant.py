@@ -256,16 +256,21 @@ class QuantStore(Store):
     def segments(self, layer: int, positions: Tensor) -> list[Segment]:
         d, c0, NH = self.dims, self.c0, self.rows
         H = positions.shape[0]
-        hr = self.hot_row_of(layer).expand(H, -1)
+        hr = self.hot_row_of(layer)
+        if hr.shape[0] == 1 and (H == 1 or positions.stride(0) == 0):
+            positions = positions[:1]  # every head the same: built once, handed out broadcast
+        hr = hr.expand(positions.shape[0], -1)
         hot = hr >= 0
         # the hot rows' positions and slots: scattered from the slots that read them (a spare column
         # takes the slots that read none)
         dest = torch.where(hot, hr, NH)
-        hot_pos = torch.full((H, NH + 1), -1, dtype=torch.long, device=self.device)
+        hot_pos = torch.full((positions.shape[0], NH + 1), -1, dtype=torch.long, device=self.device)
         hot_pos.scatter_(-1, dest, torch.where(hot, positions, -1))
-        hot_slot = torch.full((H, NH + 1), -1, dtype=torch.long, device=self.device)
-        hot_slot.scatter_(-1, dest, torch.where(hot, self._slot_idx.expand(H, -1), -1))
-        code_pos = torch.where(hot[:, c0:], -1, positions[:, c0:])
+        hot_slot = torch.full((positions.shape[0], NH + 1), -1, dtype=torch.long, device=self.device)
+        hot_slot.scatter_(-1, dest, torch.where(hot, self._slot_idx.expand(positions.shape[0], -1), -1))
+        if positions.shape[0] != H:
+            hot_pos, hot_slot = hot_pos.expand(H, -1), hot_slot.expand(H, -1)
+        code_pos = torch.where(hot[:, c0:], -1, positions[:, c0:]).expand(H, -1)
         out = [Segment(n=NH, positions=hot_pos[:, :NH], keys=d.attention(self.hot_k[layer]),
                        values=d.attention(self.hot_v[layer]), features=d.features, dtype=self.dtype,
                        slots=hot_slot[:, :NH])]
@@ -296,10 +301,8 @@ class QuantStore(Store):
     def _decode(self, which: str, codes: Tensor, scale: Tensor | None) -> Tensor:
         fmt, g, r, dim = (self.kf, self.gk, self.rk, self.dims.features[0]) if which == "k" else (
             self.vf, self.gv, self.rv, self.dims.features[1])
-        x = fmt.decode(codes, scale, dim, g)
-        if r is not None:
-            x = x @ r
-        return x.to(self.acc)
+        x = fmt.decode(codes, scale, dim, g).to(self.acc)
+        return x if r is None else x @ r.to(self.acc)
 
     def _overlay(self, hot: Tensor, x: Tensor, idx: Tensor) -> Tensor:
         """``x`` (decoded rows of some slots, layer layout) with the hot rows ``idx [H|1, n]`` substituted."""
