@@ -57,6 +57,9 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     # every part (read, smollm2 with its peers and certificates, video); --quick for what is not given
     "quant": ["quant", "--quick", "--tokens", "16", "--chunk", "8", "--residual", "16", "--cert-tokens", "24",
               "--read-tokens", "16", "--frames", "6", "--json", "{tmp}/quant.json", "--plot", "{tmp}/quant.png"],
+    # the toy video with two branches, and the --memory measurement at the small preset
+    "fork": ["fork", "--branches", "2", "--frames", "10", "--repeats", "2", "--memory", "--preset", "small",
+             "--memory-branches", "2", "--read-repeats", "2", "--out", "{tmp}"],
     # the default kinds (no --kinds: window, ring and every scored kind; mass at each default tau)
     "lm-eval": ["lm-eval", "--tokens", "64", "--segment", "64", "--chunks", "16", "--memory", "36", "--decode", "0",
                 "--oracle-taus", "none", "--json", "{tmp}/lm_eval.json", "--plot", "{tmp}/lm_eval.png"],
@@ -92,6 +95,13 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
                              "rows[].error_mean", "rows[].perplexity", "rows[].certificate_violations",
                              "rows[].tightness_median", "rows[].ms_per_chunk", "targets[].target", "targets[].met",
                              "read.rows", "smollm2.quarter_bytes", "video.quarter_bytes", "config.tokens")},
+    "fork": {"fork.json": ("video.branches[].bytes_added_one_chunk_after", "video.branches[].max_abs_diff_vs_unforked",
+                           "video.memory.one_chunk_after.ratio_vs_one_cache", "video.memory.one_cache_bytes",
+                           "video.time.fork_over_attention", "memory.memory.ratio_vs_one_cache",
+                           "memory.memory.floor_ratio", "memory.memory.full_copies_ratio",
+                           "memory.fork.fork_over_attention", "memory.read.paged_forked_over_ring",
+                           "memory.read.median_ms", "memory.write.median_ms"),
+             "fork.gif": (), "fork.png": ()},
     "lm-eval": {"lm_eval.json": ("model", "text", "tokens", "segment", "segments", "chunk", "decode", "caches",
                                  "caches[][].perplexity", "caches[][].attn_error_mean", "caches[][].attn_error_p99",
                                  "oracle", "targets", "config", "command", "wall_s", "versions"),
@@ -196,6 +206,10 @@ def _check(command: str, doc: dict) -> None:
     elif command == "positions":  # --quick: the small cost preset, a 2x long stream, a tiny Llama
         assert list(doc["cost"]) == ["small"] and doc["long_stream"]["factor"] == 2
         assert all(r["max_abs_diff"] < 1e-12 for r in doc["maps"].values())
+    elif command == "fork":  # the options took effect; every branch exact
+        v, m = doc["video"], doc["memory"]
+        assert len(v["branches"]) == 2 and v["clip"]["frames"] == 10 and v["max_abs_diff_vs_unforked"] == 0
+        assert m["preset"]["name"] == "small" and m["branches"] == 2
     elif command == "verify":
         assert doc["identical"]["ring"] == doc["comparisons"] > 0
 

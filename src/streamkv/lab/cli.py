@@ -41,6 +41,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "compiled graph, sliding-window LLMs, StreamingLLM, re-cache, cost, the toy 8x past its window"),
     "quant": ("quant", "quantised KV storage (int8 / fp8 / int4 / int2) on SmolLM2 and the toy video model, beside "
               "transformers' QuantizedCache and sglang's QVG cache, at matched device bytes"),
+    "fork": ("fork", "one stream, several branches: the toy continues a shared prefix in branches (GIF), bytes per "
+             "branch vs full copies, fork time; --memory at the self-forcing shape"),
     "lm-eval": ("lm_eval", "caches on a real trained LM (SmolLM2-135M, Moby-Dick): perplexity and attention error at "
                 "matched KV memory vs the full cache and the per-query oracle"),
 }
