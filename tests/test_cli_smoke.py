@@ -4,8 +4,9 @@ fails :func:`test_every_subcommand_has_a_smoke_run`.
 
 A command already run through the CLI by another test file is not run twice: its entry names that
 test, and :func:`test_a_smoke_run_elsewhere_runs_the_command` checks that the test exists and
-calls ``main`` with that command. ``fuzz`` runs in both places: here with the position-map and
-quantised-storage hooks (``--positions``, ``--quant``), which its test elsewhere does not use.
+calls ``main`` with that command. ``fuzz`` runs in both places: here with the position-map,
+quantised-storage and fork-tree hooks (``--positions``, ``--quant``, ``--forks``), which its test
+elsewhere does not use.
 
 Every run here takes tens of seconds at most on the shared 2-core machine (``--durations``);
 ``quant`` and ``lm-eval`` share one load of SmolLM2 (cached per process). Not run, too slow for
@@ -47,7 +48,8 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     "pareto": Elsewhere("test_pareto.py", "test_cli_writes_json_and_plots"),
     "certify": Elsewhere("test_certify_cli.py", "test_certify_json_with_recall"),
     "budget": Elsewhere("test_streaming_budget.py", "test_cli_writes_json_and_plot"),
-    "fuzz": ["fuzz", "--layouts", "1", "--calls", "2", "--positions", "1", "--quant", "2", "--json", "{tmp}/fuzz.json"],
+    "fuzz": ["fuzz", "--layouts", "1", "--calls", "2", "--positions", "1", "--quant", "2", "--forks", "1", "--json",
+             "{tmp}/fuzz.json"],
     "train-toy": ["train-toy", "--steps", "1", "--batch", "1", "--frames", "2", "--out", "{tmp}/w/toy.safetensors"],
     # 18 frames: past the 16-frame training window, so both halves of the README's table are measured
     "video-eval": ["video-eval", "--clips", "1", "--frames", "18", "--capacities", "6", "--position-clips", "0",
@@ -75,7 +77,8 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
     "fuzz": {"fuzz.json": ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
                            "mismatches", "certified_layouts", "observer_faults", "certificate_undercounts", "kinds",
                            "positions.layouts", "positions.mismatches", "quant.cases", "quant.slots_checked",
-                           "quant.mismatches", "quant.formats")},
+                           "quant.mismatches", "quant.formats", "forks.cases", "forks.leaked_pages",
+                           "forks.mismatches")},
     "train-toy": {"w/toy.json": ("command", "seed", "loss_curve", "loss_first", "loss_final_mean_last_5pct", "wall_s",
                                  "check_rollout"),
                   "w/toy.safetensors": (), "w/toy_expected.safetensors": ()},
@@ -195,6 +198,7 @@ def _check(command: str, doc: dict) -> None:
     if command == "fuzz":
         assert doc["layouts"] == 1 and doc["positions"]["layouts"] == 1 and doc["quant"]["cases"] == 2
         assert doc["mismatches"] == 0 and doc["quant"]["slots_checked"] > 0
+        assert doc["forks"]["cases"] == 1 and doc["forks"]["leaked_pages"] == 0
     elif command == "quant":  # explicit sizes win over --quick; --quick fills the rest
         assert doc["config"] == {**doc["config"], "tokens": 16, "read_tokens": 16, "cert_tokens": 24, "frames": 6,
                                  "clips": 1, "chunk": 8, "residual": 16, "quick": True}
