@@ -357,7 +357,7 @@ class StreamingRollout:
         else:
             out._gen.manual_seed(seed)
             out.seed = seed
-        out.stats, out._maintenance = RolloutStats(), 0.0
+        out.stats, out._maintenance, out._graphs = RolloutStats(), 0.0, {}
         return out
 
     def release(self) -> None:

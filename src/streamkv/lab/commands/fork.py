@@ -167,3 +167,8 @@ def print_memory(console, r: dict) -> None:
     wm = w["median_ms"]
     console.print(f"  chunk write: ring {wm['ring']:.2f} ms, paged unforked {wm['paged_identity']:.2f} ms, forked "
                   f"branch {wm['paged_forked']:.2f} ms")
+    for what, t in (("reads", rd["timing"]), ("writes", w["timing"])):
+        share = t["foreign_cpu_share"]
+        console.print(f"  {what}: {t['rounds']} rounds, clean samples {t['clean_samples']}, other processes used "
+                      f"{'-' if share is None else f'{share:.0%}'} of the CPUs meanwhile"
+                      f"{' (contended samples included: read the ratios as noisy)' if any(t['contended_included'].values()) else ''}")
