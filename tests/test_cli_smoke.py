@@ -4,8 +4,9 @@ fails :func:`test_every_subcommand_has_a_smoke_run`.
 
 A command already run through the CLI by another test file is not run twice: its entry names that
 test, and :func:`test_a_smoke_run_elsewhere_runs_the_command` checks that the test exists and
-calls ``main`` with that command. ``fuzz`` runs in both places: here with the position-map and
-quantised-storage hooks (``--positions``, ``--quant``), which its test elsewhere does not use.
+calls ``main`` with that command. ``fuzz`` runs in both places: here with the position-map,
+quantised-storage and fork-tree hooks (``--positions``, ``--quant``, ``--forks``), which its test
+elsewhere does not use.
 
 Every run here takes tens of seconds at most on the shared 2-core machine (``--durations``);
 ``quant`` and ``lm-eval`` share one load of SmolLM2 (cached per process). Not run, too slow for
@@ -47,7 +48,8 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     "pareto": Elsewhere("test_pareto.py", "test_cli_writes_json_and_plots"),
     "certify": Elsewhere("test_certify_cli.py", "test_certify_json_with_recall"),
     "budget": Elsewhere("test_streaming_budget.py", "test_cli_writes_json_and_plot"),
-    "fuzz": ["fuzz", "--layouts", "1", "--calls", "2", "--positions", "1", "--quant", "2", "--json", "{tmp}/fuzz.json"],
+    "fuzz": ["fuzz", "--layouts", "1", "--calls", "2", "--positions", "1", "--quant", "2", "--forks", "1", "--json",
+             "{tmp}/fuzz.json"],
     "train-toy": ["train-toy", "--steps", "1", "--batch", "1", "--frames", "2", "--out", "{tmp}/w/toy.safetensors"],
     # 18 frames: past the 16-frame training window, so both halves of the README's table are measured
     "video-eval": ["video-eval", "--clips", "1", "--frames", "18", "--capacities", "6", "--position-clips", "0",
@@ -57,6 +59,9 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     # every part (read, smollm2 with its peers and certificates, video); --quick for what is not given
     "quant": ["quant", "--quick", "--tokens", "16", "--chunk", "8", "--residual", "16", "--cert-tokens", "24",
               "--read-tokens", "16", "--frames", "6", "--json", "{tmp}/quant.json", "--plot", "{tmp}/quant.png"],
+    # the toy video with two branches, and the --memory measurement at the small preset
+    "fork": ["fork", "--branches", "2", "--frames", "10", "--repeats", "2", "--memory", "--preset", "small",
+             "--memory-branches", "2", "--read-repeats", "2", "--out", "{tmp}"],
     # the default kinds (no --kinds: window, ring and every scored kind; mass at each default tau)
     "lm-eval": ["lm-eval", "--tokens", "64", "--segment", "64", "--chunks", "16", "--memory", "36", "--decode", "0",
                 "--oracle-taus", "none", "--json", "{tmp}/lm_eval.json", "--plot", "{tmp}/lm_eval.png"],
@@ -72,7 +77,8 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
     "fuzz": {"fuzz.json": ("layouts", "calls", "rejected_calls", "state_changes_after_rejection", "bad_calls_accepted",
                            "mismatches", "certified_layouts", "observer_faults", "certificate_undercounts", "kinds",
                            "positions.layouts", "positions.mismatches", "quant.cases", "quant.slots_checked",
-                           "quant.mismatches", "quant.formats")},
+                           "quant.mismatches", "quant.formats", "forks.cases", "forks.leaked_pages",
+                           "forks.mismatches")},
     "train-toy": {"w/toy.json": ("command", "seed", "loss_curve", "loss_first", "loss_final_mean_last_5pct", "wall_s",
                                  "check_rollout"),
                   "w/toy.safetensors": (), "w/toy_expected.safetensors": ()},
@@ -92,6 +98,13 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
                              "rows[].error_mean", "rows[].perplexity", "rows[].certificate_violations",
                              "rows[].tightness_median", "rows[].ms_per_chunk", "targets[].target", "targets[].met",
                              "read.rows", "smollm2.quarter_bytes", "video.quarter_bytes", "config.tokens")},
+    "fork": {"fork.json": ("video.branches[].bytes_added_one_chunk_after", "video.branches[].max_abs_diff_vs_unforked",
+                           "video.memory.one_chunk_after.ratio_vs_one_cache", "video.memory.one_cache_bytes",
+                           "video.time.fork_over_attention", "memory.memory.ratio_vs_one_cache",
+                           "memory.memory.floor_ratio", "memory.memory.full_copies_ratio",
+                           "memory.fork.fork_over_attention", "memory.read.paged_forked_over_ring",
+                           "memory.read.median_ms", "memory.write.median_ms"),
+             "fork.gif": (), "fork.png": ()},
     "lm-eval": {"lm_eval.json": ("model", "text", "tokens", "segment", "segments", "chunk", "decode", "caches",
                                  "caches[][].perplexity", "caches[][].attn_error_mean", "caches[][].attn_error_p99",
                                  "oracle", "targets", "config", "command", "wall_s", "versions"),
@@ -185,6 +198,7 @@ def _check(command: str, doc: dict) -> None:
     if command == "fuzz":
         assert doc["layouts"] == 1 and doc["positions"]["layouts"] == 1 and doc["quant"]["cases"] == 2
         assert doc["mismatches"] == 0 and doc["quant"]["slots_checked"] > 0
+        assert doc["forks"]["cases"] == 1 and doc["forks"]["leaked_pages"] == 0
     elif command == "quant":  # explicit sizes win over --quick; --quick fills the rest
         assert doc["config"] == {**doc["config"], "tokens": 16, "read_tokens": 16, "cert_tokens": 24, "frames": 6,
                                  "clips": 1, "chunk": 8, "residual": 16, "quick": True}
@@ -196,6 +210,10 @@ def _check(command: str, doc: dict) -> None:
     elif command == "positions":  # --quick: the small cost preset, a 2x long stream, a tiny Llama
         assert list(doc["cost"]) == ["small"] and doc["long_stream"]["factor"] == 2
         assert all(r["max_abs_diff"] < 1e-12 for r in doc["maps"].values())
+    elif command == "fork":  # the options took effect; every branch exact
+        v, m = doc["video"], doc["memory"]
+        assert len(v["branches"]) == 2 and v["clip"]["frames"] == 10 and v["max_abs_diff_vs_unforked"] == 0
+        assert m["preset"]["name"] == "small" and m["branches"] == 2
     elif command == "verify":
         assert doc["identical"]["ring"] == doc["comparisons"] > 0
 

@@ -6,6 +6,8 @@ here against single-process rollouts of the same weights, prompts and noise.
 
 Stream: 6 chunks of the tiny config (chunk 32 tokens, sink 16, window 80: the first
 eviction at chunk 3, the ring wraps twice), a new prompt (reset), 3 more chunks; CFG on.
+Forks: a paged rollout forks after 4 chunks on every rank (each its own head shard), and the
+branches equal the single-process fork's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ FIRST, SECOND = 6, 3  # chunks of the two streams
 GUIDANCE = 3.0
 KINDS = {"ring": {}, "chronological": {}, "mass": {"tau": 0.05}}
 LAYOUT = CacheLayout(sink=CFG.sink_tokens, window=CFG.window_tokens, chunk=CFG.chunk_tokens)
+FORKED = ("ring", "mass")  # a window kind and a per-head kind, forked on every rank
 
 
 def _streams(r: StreamingRollout, first: int = FIRST, second: int = SECOND, after_first=None) -> torch.Tensor:
@@ -57,6 +60,18 @@ def _history(r: StreamingRollout) -> dict:
 
 def _rollout(model, kind, cp=None, **kw) -> StreamingRollout:
     return StreamingRollout(model, cache=kind, guidance=GUIDANCE, seed=5, cp=cp, cache_kwargs=KINDS.get(kind), **kw)
+
+
+def _forked(model, kind, cp=None) -> dict:
+    """A paged rollout: 4 chunks, then two branches (the noise as drawn, seed 9) of 2 chunks each.
+    With ``cp`` each rank forks its own head shard."""
+    r = StreamingRollout(model, cache=kind, guidance=GUIDANCE, seed=5, cp=cp,
+                         cache_kwargs={**KINDS[kind], "pages": {"spare": 12}})
+    r.set_prompt("a red fox", "blurry", seed=3)
+    prefix = r.run(4)
+    a, b = r.fork(2, seeds=[None, 9])
+    return dict(prefix=prefix, a=a.run(2), b=b.run(2), heads=a.caches["cond"].k_shape[2],
+                shares=a.caches["uncond"].storage.store.table.pool is r.caches["uncond"].storage.store.table.pool)
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,7 @@ def _rank_checks(cp: ContextParallel) -> dict:
     warm = {}
     res["compile"] = _streams(r, first=4, second=2, after_first=lambda r_: warm.update(frames=counter.frame_count))
     res["compile_frames"] = (warm["frames"], counter.frame_count)
+    res["forked"] = {kind: _forked(model, kind, cp) for kind in FORKED}
     broken = _OtherRanksText(cp.world_size, cp.rank, cp.group)
     res["broken"] = _streams(_rollout(model, "ring", broken), first=2, second=1)
     return res
@@ -123,6 +139,7 @@ def single() -> dict:
         res["cache_relative"] = _streams(_rollout(model, "ring", rope_mode="cache_relative"), first=4, second=1)
         res["compile"] = _streams(_rollout(model, "ring"), first=4, second=2)  # eager reference
         res["broken"] = _streams(_rollout(model, "ring"), first=2, second=1)
+        res["forked"] = {kind: _forked(model, kind) for kind in FORKED}
         return res
     finally:
         torch.set_num_threads(threads)
@@ -184,6 +201,21 @@ def test_each_rank_caches_its_heads_for_the_whole_window(ranks, single, kind):
                 want = full[t][:, :, h0:h1]
                 tol = 1e-5 * want.abs().max().item()
                 assert (mine[t] - want).abs().max().item() <= tol, f"{kind} {branch} {t} rank {res['rank']}"
+
+
+@pytest.mark.parametrize("kind", FORKED)
+def test_each_rank_forks_its_head_shard_and_the_branches_equal_the_single_process_fork(ranks, single, kind):
+    one = single["forked"][kind]
+    assert one["heads"] == CFG.heads and one["shares"]
+    assert (one["b"] - one["a"]).abs().max().item() > 1e-2  # other noise: another branch (the check can fail)
+    for res in ranks:
+        got = res["forked"][kind]
+        assert got["heads"] == CFG.heads // WORLD and got["shares"]  # this rank's heads, pages shared with its parent
+        for part in ("prefix", "a", "b"):
+            ref = one[part]
+            diff = (got[part] - ref).abs().max().item()
+            assert diff <= 1e-5 * ref.abs().max().item(), f"{kind} {part} rank {res['rank']}: {diff:.3e}"
+    assert all(torch.equal(ranks[0]["forked"][kind][p], ranks[1]["forked"][kind][p]) for p in ("a", "b"))
 
 
 def test_cache_relative_rope_runs_head_sharded(ranks, single):

@@ -167,3 +167,62 @@ def test_cli_writes_the_counts(tmp_path):
     assert data["state_changes_after_rejection"] == 0 and data["mismatches"] == 0 and data["rejected_calls"] > 0
     assert data["certificate_undercounts"] == 0 and data["certified_layouts"] > 0 and data["observer_faults"] > 0
     assert {"seconds", "bad_calls_accepted", "kinds", "versions", "observer_fault_kinds"} <= set(data)
+
+
+# ------------------------------------------------------------------ fork trees (--forks)
+def _forks(cases: int, seed: int = 0):
+    from streamkv.lab.fuzz_branches import fuzz_branches
+
+    with torch.no_grad():
+        return fuzz_branches(cases, steps=30, seed=seed)
+
+
+def test_fork_trees_run_clean_over_kinds_formats_and_maps():
+    r = _forks(8)
+    assert (r["mismatches"], r["state_changes_after_rejection"], r["bad_calls_accepted"], r["leaked_pages"]) == (
+        0, 0, 0, 0), r["failures"]
+    assert r["forks"] > 10 and r["releases"] > 10 and r["exports"] > 5 and r["rejected_calls"] > 30
+    assert r["max_depth"] >= 3 and r["max_fanout"] == 8 and r["rewinds"] > 0 and r["pool_full_refusals"] > 0
+    assert len(r["kinds"]) > 3 and len(r["formats"]) > 2 and len(r["maps"]) > 1
+
+
+def test_fork_trees_catch_a_branch_that_writes_into_shared_pages(monkeypatch):
+    """Control: no copy on write (every write goes to the page every branch reads)."""
+    from streamkv.stores.pages import PageTable
+
+    monkeypatch.setattr(PageTable, "plan_private", lambda self, *a, **k: None)
+    r = _forks(4)
+    assert r["mismatches"] > 0
+
+
+def test_fork_trees_catch_a_release_that_keeps_its_pages(monkeypatch):
+    """Control: released pages are never freed."""
+    from streamkv.stores.pages import PagePool
+
+    monkeypatch.setattr(PagePool, "drop", lambda self, ids: None)
+    r = _forks(4)
+    assert r["leaked_pages"] > 0
+
+
+def test_fork_trees_catch_a_refused_fork_that_changed_something(monkeypatch):
+    """Control: a fork that takes a page before it refuses (a span open, n < 1)."""
+    from streamkv.caches.branches import Branches
+
+    check = Branches.check_fork
+
+    def leaky(self, n):
+        table = self.cache.storage.store.table
+        if table is not None and table.pool.free:
+            table.host[0] = table.pool.take(1, "leak")[0]
+        return check(self, n)
+
+    monkeypatch.setattr(Branches, "check_fork", leaky)
+    r = _forks(4)
+    assert r["state_changes_after_rejection"] > 0
+
+
+def test_cli_fuzzes_fork_trees(tmp_path):
+    out = tmp_path / "f.json"
+    assert main(["fuzz", "--layouts", "1", "--calls", "2", "--forks", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["forks"]["cases"] == 2 and data["forks"]["leaked_pages"] == 0 and data["mismatches"] == 0

@@ -179,3 +179,6 @@ def test_demo_writes_its_table_json_and_plot(tmp_path):
     assert data["max_abs_diff"]["ring"] <= 1e-5 * data["output_scale"]
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert (tmp_path / "demo.gif").stat().st_size > 0 and (tmp_path / "demo_panel.gif").stat().st_size > 0
+    fork = json.loads((tmp_path / "fork.json").read_text())["video"]  # the fork section: exact branches
+    assert fork["max_abs_diff_vs_unforked"] == 0 and len(fork["branches"]) == 4
+    assert (tmp_path / "fork.gif").stat().st_size > 0

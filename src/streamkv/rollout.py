@@ -40,6 +40,13 @@ caches hold ``H/N`` heads. Eager and compile modes; ``graph`` with more than one
 is refused (the all-to-alls would sit inside the captured region and no GPU run has
 yet shown that replaying them is correct).
 
+Branches (``fork``): a rollout whose caches keep their rows in pages (``pages=``) forks into
+rollouts that continue the same stream, sharing every page of the history copy-on-write; each
+branch has its own noise generator (by default where the parent's stands; ``seeds=`` for other
+noise) and may continue under another prompt (``prompts=``: the history kept, the
+cross-attention K/V of the new prompt). A branch computes exactly what a rollout that never
+forked computes from the same history, noise and prompt (``tests/test_rollout_fork.py``).
+
 Why one module: the three execution modes run the same chunk loop and differ only in how
 one denoising step is invoked; keeping the loop, the schedule and the modes together keeps
 their shared host bookkeeping (begin, retry of an open chunk, commit) in one place.
@@ -263,6 +270,101 @@ class StreamingRollout:
         if seed is not None:
             self._gen.manual_seed(seed)
 
+    def switch_prompt(self, prompt: str, negative_prompt: str | None = None) -> None:
+        """Continue the stream under ``prompt``: the cross-attention K/V are recomputed and the
+        self-attention history is kept (no reset, no re-cache: the next chunks attend to what the
+        caches hold, written under the earlier prompt). ``negative_prompt`` (guidance > 1) replaces
+        the ``uncond`` branch's; None keeps it. Refused (nothing changes) before a stream started."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise TypeError(f"negative_prompt must be a str or None, got {type(negative_prompt).__name__}")
+        if negative_prompt is not None and self.guidance == 1.0:
+            raise ValueError(f"negative_prompt given, but guidance {self.guidance} runs the cond branch only")
+        if not self._cross:
+            raise RuntimeError("switch_prompt continues a stream: set_prompt(...) first")
+        cross = {"cond": self.model.cross_kv(self.model.encode_prompt(prompt, self.batch), self.cp)}
+        if negative_prompt is not None:
+            cross["uncond"] = self.model.cross_kv(self.model.encode_prompt(negative_prompt, self.batch), self.cp)
+        self._cross = {**self._cross, **cross}
+
+    def reseed(self, seed: int) -> None:
+        """Re-seed the noise generator; the stream (caches, chunk index, prompt) is kept."""
+        self._gen.manual_seed(_seed(seed))
+
+    # ---------------------------------------------------------------- branches
+    def fork(self, n: int = 1, *, seeds: Sequence[int] | None = None, prompts: Sequence[str | None] | None = None,
+             negative_prompts: Sequence[str | None] | None = None) -> list[StreamingRollout]:
+        """``n`` rollouts that continue this stream from where it stands (its caches built with
+        ``pages=``, e.g. ``cache_kwargs={"pages": {"spare": 8}}``): every cache branch forked
+        (:meth:`~streamkv.caches.CacheSet.fork`: the history's pages shared copy-on-write, each
+        rollout then writes its own chunks), the prompt's cross-attention K/V shared, the chunk index
+        and the schedule kept. This rollout stays usable (it is one more branch).
+
+        Noise: each branch's generator starts where this one's stands, so a branch draws the noise
+        this rollout would draw next; ``seeds[i]`` re-seeds branch ``i`` (same prefix, different
+        noise). ``prompts[i]`` continues branch ``i`` under another prompt (:meth:`switch_prompt`:
+        the history kept; None keeps this one's), ``negative_prompts[i]`` likewise for ``uncond``.
+
+        With context parallelism every rank forks its own head shard (same arguments on every
+        rank: the same noise everywhere). Eager mode only.
+
+        Raises (nothing changes): ``ValueError`` for ``n`` < 1, lists of another length than
+        ``n``, a chunk left open by a failed attempt, caches without pages or with observers;
+        ``TypeError`` for prompts that are not strings; ``RuntimeError`` before a stream started
+        (``set_prompt``), in ``compile`` or ``graph`` mode, or on released caches.
+        """
+        n = check_int("n", n, 1)
+        per = {}
+        for name, values in (("seeds", seeds), ("prompts", prompts), ("negative_prompts", negative_prompts)):
+            if values is None:
+                continue
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != n:
+                raise ValueError(f"{name} must be a sequence of n={n} entries, got {values!r}")
+            per[name] = list(values)
+        seeds_ = [None if s is None else _seed(s) for s in per.get("seeds", [None] * n)]
+        for name in ("prompts", "negative_prompts"):
+            bad = [p for p in per.get(name, ()) if p is not None and not isinstance(p, str)]
+            if bad:
+                raise TypeError(f"{name} must be strings or None, got {bad[0]!r}")
+        if any(p is not None for p in per.get("negative_prompts", ())) and self.guidance == 1.0:
+            raise ValueError(f"negative_prompts given, but guidance {self.guidance} runs the cond branch only")
+        if not self._cross:
+            raise RuntimeError("fork continues a stream: set_prompt(...) first")
+        if self.mode != "eager":
+            raise RuntimeError(f"fork runs eagerly (mode={self.mode!r}): the compiled step and the captured CUDA graphs "
+                               f"are traced over this rollout's caches, and a branch would trace its own again (the "
+                               f"tiny model's compiled fork matched eager once, by hand, but took 25 s of tracing, so "
+                               f"it is not offered untested); use mode='eager'")
+        crosses = []
+        for i in range(n):  # every prompt encoded before any cache forks
+            cross = dict(self._cross)
+            for name, branch in (("prompts", "cond"), ("negative_prompts", "uncond")):
+                p = per.get(name, [None] * n)[i]
+                if p is not None:
+                    cross[branch] = self.model.cross_kv(self.model.encode_prompt(p, self.batch), self.cp)
+            crosses.append(cross)
+        sets = self.caches.fork(n)  # every branch's refusals before any fork
+        return [self._branch(caches, seed, cross) for caches, seed, cross in zip(sets, seeds_, crosses)]
+
+    def _branch(self, caches: CacheSet, seed: int | None, cross: dict[str, CrossKV]) -> StreamingRollout:
+        out = object.__new__(StreamingRollout)
+        out.__dict__.update(self.__dict__)
+        out.caches, out._cross = caches, cross
+        out._gen = torch.Generator(device=self.device)
+        if seed is None:
+            out._gen.set_state(self._gen.get_state())
+        else:
+            out._gen.manual_seed(seed)
+            out.seed = seed
+        out.stats, out._maintenance, out._graphs = RolloutStats(), 0.0, {}
+        return out
+
+    def release(self) -> None:
+        """Give every cache's pages back to the pool its branches share (:meth:`fork`); this
+        rollout refuses to generate afterwards."""
+        self.caches.release()
+
     # ----------------------------------------------------------------- chunks
     @property
     def chunk_idx(self) -> int:
@@ -421,6 +523,14 @@ class StreamingRollout:
                 lambda x_, t_, c_, s_: self._network(x_, t_, cache, cross, c_, s_, occupancy), (x, t, *rope)
             )
         return self._graphs[key](x, t, *rope)
+
+
+def _seed(seed: object) -> int:
+    """``seed`` as an int that ``torch.Generator.manual_seed`` takes (``[-2**63, 2**64)``)."""
+    seed = check_int("seed", seed)
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator.manual_seed), got {seed}")
+    return seed
 
 
 class _GraphStep:

@@ -40,13 +40,18 @@ the ring's physical order. Differences from the plain dicts:
   (Self-Forcing fails with a zero-length slice error there).
 - Chunks that skip or straddle positions, and rewrites of older chunks, are refused
   (``ValueError``; see :mod:`streamkv.compat.sglang`).
+- ``pages=`` (not Self-Forcing's): the ring keeps its rows in pages, and :func:`fork_self_forcing_caches`
+  continues one prefix in several branches (the pages shared copy-on-write; a fork closes the
+  last chunk, so branches go on at the next one). Without it a fork is refused (the ring lives in
+  ``"k"``/``"v"``).
 
 Why this long: every difference from the original dicts is listed here, where a user of them looks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -54,7 +59,7 @@ from torch import Tensor
 from ..storage import check_int
 from .sglang import RingCausalSelfAttentionKVCache
 
-__all__ = ["SelfForcingKVCache", "self_forcing_kv_caches"]
+__all__ = ["SelfForcingKVCache", "fork_self_forcing_caches", "self_forcing_kv_caches"]
 
 _KEYS = ("k", "v", "global_end_index", "local_end_index")
 
@@ -71,6 +76,9 @@ class SelfForcingKVCache(Mapping):
         rolling: evict the oldest window tokens when a chunk does not fit (Self-Forcing's
             ``local_attn_size != -1``); False: a chunk that does not fit raises.
         dtype, device: of the buffers (the index tensors are int64 on ``device``).
+        pages: the ring's rows in pages of its own (``True`` or ``{"spare": N, ...}``), so that
+            :meth:`fork` (and :func:`fork_self_forcing_caches`) can branch the stream: ``"k"``/``"v"``
+            are then zero-stride placeholders and ``update`` returns a copy of the rows to attend to.
         quant: quantised storage of the ring (:class:`~streamkv.quant.KVQuant` or a format
             name): ``"k"``/``"v"`` are then zero-stride placeholders and ``update`` returns a
             dequantised copy of the rows to attend to (see :mod:`streamkv.compat.sglang`).
@@ -78,7 +86,8 @@ class SelfForcingKVCache(Mapping):
 
     def __init__(self, batch: int, cache_size: int, num_heads: int, head_dim: int, *, sink_tokens: int = 0,
                  attention_tokens: int | None = None, rolling: bool = True, v_head_dim: int | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", quant: object = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", quant: object = None,
+                 pages: object = None) -> None:
         shape = tuple(check_int(n, x, 1) for n, x in (("batch", batch), ("cache_size", cache_size),
                                                        ("num_heads", num_heads), ("head_dim", head_dim)))
         dv = head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, 1)
@@ -87,13 +96,13 @@ class SelfForcingKVCache(Mapping):
             raise TypeError(f"rolling must be a bool, got {type(rolling).__name__} {rolling!r}")
         self._rolling = rolling
         # quantised storage: the ring allocates codes; "k"/"v" are zero-stride placeholders (no memory)
-        make = (lambda sh: torch.zeros(sh, dtype=dtype, device=device)) if quant is None else (
+        make = (lambda sh: torch.zeros(sh, dtype=dtype, device=device)) if quant is None and pages is None else (
             lambda sh: torch.zeros((), dtype=dtype, device=device).expand(sh))
         self._cache = RingCausalSelfAttentionKVCache(
             make(shape), make((*shape[:3], dv)),
             torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device), 0, 0,
             cache_size=cache_size, sink_tokens=check_int("sink_tokens", sink_tokens, 0), attention_window_size=window,
-            quant=quant,
+            quant=quant, pages=pages,
         )
 
     @property
@@ -137,6 +146,22 @@ class SelfForcingKVCache(Mapping):
         """Forget the stream: both indices 0 (K/V kept; nothing stale is ever read)."""
         self._cache.reset_indices()
 
+    def fork(self, n: int = 1) -> list[SelfForcingKVCache]:
+        """``n`` dicts continuing this block's stream (built with ``pages=``): the ring's pages shared
+        copy-on-write (:meth:`~streamkv.compat.sglang.RingCausalSelfAttentionKVCache.fork`: the last
+        chunk is closed first; each continues at the next one). Refused (``ValueError``, nothing
+        changes) without pages or before the first chunk."""
+        out = []
+        for ring in self._cache.fork(n):
+            branch = copy.copy(self)
+            branch._cache = ring
+            out.append(branch)
+        return out
+
+    def release(self) -> None:
+        """Give the block's pages back (a paged cache); every later update is refused."""
+        self._cache.release()
+
     # ------------------------------------------------------------ the attention module's work
     def update(self, key: Tensor, value: Tensor, current_start: int) -> tuple[Tensor, Tensor]:
         """Write the chunk's rotated keys and values (``[B, n, H, D]``, positions
@@ -163,10 +188,24 @@ class SelfForcingKVCache(Mapping):
 def self_forcing_kv_caches(num_blocks: int, batch: int, cache_size: int, num_heads: int, head_dim: int, *,
                            sink_tokens: int = 0, attention_tokens: int | None = None, rolling: bool = True,
                            v_head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                           device: torch.device | str = "cpu", quant: object = None) -> list[SelfForcingKVCache]:
+                           device: torch.device | str = "cpu", quant: object = None,
+                           pages: object = None) -> list[SelfForcingKVCache]:
     """One :class:`SelfForcingKVCache` per transformer block (the list Self-Forcing's pipeline keeps
     as ``kv_cache1``); the arguments are each block's (see the class)."""
     blocks = check_int("num_blocks", num_blocks, 1)
     return [SelfForcingKVCache(batch, cache_size, num_heads, head_dim, sink_tokens=sink_tokens,
                                attention_tokens=attention_tokens, rolling=rolling, v_head_dim=v_head_dim,
-                               dtype=dtype, device=device, quant=quant) for _ in range(blocks)]
+                               dtype=dtype, device=device, quant=quant, pages=pages) for _ in range(blocks)]
+
+
+def fork_self_forcing_caches(caches: Sequence[SelfForcingKVCache], n: int = 1) -> list[list[SelfForcingKVCache]]:
+    """``n`` copies of the pipeline's ``kv_cache1`` list that continue its stream (every block
+    forked, :meth:`SelfForcingKVCache.fork`): same prefix, ``n`` continuations. Every block is
+    checked before any forks: a refused call changes nothing."""
+    blocks = list(caches)
+    if not blocks or not all(isinstance(c, SelfForcingKVCache) for c in blocks):
+        raise TypeError("caches must be a non-empty list of SelfForcingKVCache (self_forcing_kv_caches(...))")
+    for c in blocks:
+        c.ring_cache.check_fork(n)
+    forked = [c.fork(n) for c in blocks]
+    return [[f[i] for f in forked] for i in range(n)]

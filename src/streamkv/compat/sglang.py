@@ -75,6 +75,13 @@ Differences, all deliberate:
   fixed addresses and device write plans (graph-safe writes), int8 / fp8 / int4 / int2 with
   per-token scales (no k-means), and serves every mode above but re-layouts.
 
+Branches (``pages=``, keyword only, not sglang's): the ring keeps its rows in pages of its own
+(``k``/``v`` then only give the shape, as with ``quant``, and every view is a gathered copy of its
+rows) and :meth:`~RingCausalSelfAttentionKVCache.fork` makes caches that continue the stream
+sharing those pages copy-on-write (same prefix, several continuations). Without ``pages=`` a fork
+is refused: the ring lives in the buffers sglang allocated and reads, which branches cannot share.
+A paged ring holding tokens is not re-laid out (as a quantised one).
+
 Refusals (``ValueError`` naming the constraint and the values; the cache is left unchanged),
 where sglang would go on:
 
@@ -107,6 +114,7 @@ one place; the host arithmetic and the tensor re-layout already live in ``sglang
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -160,7 +168,8 @@ class RingCausalSelfAttentionKVCache:
                  global_end_index_int: int | None = None, local_end_index_int: int | None = None,
                  cache_size: int = 0, sink_tokens: int = 0, attention_window_size: int = 0,
                  allow_growth: bool = False, global_sink_tokens: int = 0, pinned_start: int = -1,
-                 pinned_len: int = 0, *, max_chunk_tokens: int | None = None, quant: object = None) -> None:
+                 pinned_len: int = 0, *, max_chunk_tokens: int | None = None, quant: object = None,
+                 pages: object = None) -> None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.layout != torch.strided:
                 raise TypeError(f"{name} must be a dense 4-D tensor [B, L, H, D], got {_desc(t)}")
@@ -189,6 +198,9 @@ class RingCausalSelfAttentionKVCache:
         from ..quant import as_quant
 
         self._quant = as_quant(quant)  # quantised storage of the ring (streamkv.quant); None: dense
+        from ..stores import as_pages
+
+        self._pages = as_pages(pages)  # the ring's rows in pages of its own (fork); None: in k/v
         self._ring: RingCache | None = None  # built by the first call (it fixes the head slice)
         self._vmap = VirtualMap()  # the ring's numbering of sglang's positions
         self._heads: tuple[int, int] | None = None
@@ -297,12 +309,13 @@ class RingCausalSelfAttentionKVCache:
                           global_sink_tokens=self._global_sink_tokens, allow_growth=self._allow_growth,
                           recent=recent, name=debug_name)
         relayout = self._plan_ring(upd, n, debug_name) if upd.advance else None
-        if relayout is not None and self._quant is not None and self._ring is not None and self._ring.end:
+        own = "a quantised ring (quant=)" if self._quant is not None else "a paged ring (pages=)"
+        if relayout is not None and (self._quant is not None or self._pages is not None) and self._ring is not None and self._ring.end:
             raise ValueError(
                 f"{debug_name}: this chunk needs the ring re-laid out (a pinned multi-shot sink, a change of the "
-                f"sinks, growth, or a chunk over the frozen slots), and a quantised ring (quant=) is not re-laid out "
-                f"once it holds tokens (its codes and full-precision rows would have to be renumbered); use a dense "
-                f"ring for these modes"
+                f"sinks, growth, or a chunk over the frozen slots), and {own} is not re-laid out "
+                f"once it holds tokens (its codes, pages and full-precision rows would have to be renumbered); use a "
+                f"dense ring in k/v for these modes"
             )
         if not upd.advance:
             self._check_rewrite(upd, start, n, debug_name)
@@ -328,6 +341,45 @@ class RingCausalSelfAttentionKVCache:
         self._memo = None if upd.advance else (call, ring, upd, rows)
         k, v = self._slices(rows)
         return CausalAttentionKVView(k, v, upd.local_start, upd.local_start + n, upd.state.local_end, upd.state.global_end)
+
+    # ------------------------------------------------------------ branches (not sglang's)
+    def check_fork(self, n: int) -> int:
+        """Raise as :meth:`fork` would (nothing changes); else ``n``."""
+        n = check_int("n", n, 1)
+        if self._pages is None:
+            raise ValueError(
+                f"fork({n}): this cache's ring lives in the k/v buffers its caller allocated and reads (sglang's "
+                f"pipeline keeps them as the cache); branches sharing them copy-on-write need the ring's rows in "
+                f"pages of its own: build it with pages=True (or {{'spare': N}}): k/v then only give the shape, "
+                f"as with quant=, and each view is a copy of its rows")
+        if self._ring is None or not self._ring.end:
+            raise ValueError(f"fork({n}): this cache holds no tokens yet (nothing to share): build {n} caches")
+        self._ring.branches._check_branchable(f"fork({n})")
+        return n
+
+    def fork(self, n: int = 1) -> list[RingCausalSelfAttentionKVCache]:
+        """``n`` caches continuing this one's stream (built with ``pages=``): the ring's pages shared
+        copy-on-write, the cursors and the index tensors copied. The last chunk is closed first (as
+        the next chunk's call would close it): neither this cache nor a branch may rewrite it
+        afterwards; each continues at ``global_end_index``. Refused (``ValueError``, nothing
+        changes) without pages, before the first call, or when the ring's pool refuses."""
+        n = self.check_fork(n)
+        if self._ring.is_open:
+            self._ring.commit()
+        self._memo = None  # a memoised rewrite of the (now closed) last chunk
+        out = []
+        for ring in self._ring.fork(n):
+            branch = copy.copy(self)
+            branch._ring, branch._memo = ring, None
+            branch._gidx, branch._lidx = self._gidx.clone(), self._lidx.clone()
+            out.append(branch)
+        return out
+
+    def release(self) -> None:
+        """Give the ring's pages back (a paged cache); every later call is refused."""
+        if self._pages is None or self._ring is None:
+            raise ValueError("release(): only a paged cache (pages=) that holds a ring gives pages back")
+        self._ring.release()
 
     # ------------------------------------------------------------ checks and plans
     def _check_inputs(self, key: Tensor, value: Tensor, head_start: int | None, name: str) -> tuple[int, int, int]:
@@ -424,7 +476,7 @@ class RingCausalSelfAttentionKVCache:
         """Re-lay out the ring (:func:`.sglang_ring.relayout`) over the cache's memory."""
         kb, vb = self._ring_buffers(size, heads)
         self._ring = relayout(self._ring, self._vmap, vmap, kb, vb, sink=sink, end=self._state.local_end,
-                              max_chunk=self._max_chunk, quant=self._quant)
+                              max_chunk=self._max_chunk, quant=self._quant, pages=self._pages)
         self._vmap, self._heads = vmap, heads
 
     def _ring_buffers(self, size: int, heads: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -433,7 +485,7 @@ class RingCausalSelfAttentionKVCache:
         buffers whose rows provably do not overlap), kept across resets and grown with the cache."""
         h0, h = heads
         kb, vb = (b.narrow(1, 0, size).narrow(2, h0, h) for b in (self._k, self._v))
-        if self._quant is not None:  # the ring allocates its codes: k/v only describe the shape
+        if self._quant is not None or self._pages is not None:  # the ring's own storage: k/v describe the shape
             return kb, vb
         if kb.is_contiguous() and vb.is_contiguous():
             return kb, vb

@@ -13,7 +13,7 @@ __all__ = ["relayout", "ring_slices"]
 
 
 def relayout(old: RingCache | None, old_map: VirtualMap, new_map: VirtualMap, keys: Tensor, values: Tensor, *,
-             sink: int, end: int, max_chunk: int | None, quant: object = None) -> RingCache:
+             sink: int, end: int, max_chunk: int | None, quant: object = None, pages: object = None) -> RingCache:
     """A new :class:`~streamkv.RingCache` of ``sink`` sinks over ``keys``/``values`` (``[B, S, h, D]``,
     contiguous, ``S`` slots: the memory ``old`` used, possibly grown) whose slot ``i`` holds
     what slot ``i`` of sglang's buffer holds (``new_map``: virtual position ``i``), ``end`` slots
@@ -34,7 +34,8 @@ def relayout(old: RingCache | None, old_map: VirtualMap, new_map: VirtualMap, ke
                     if a != slot:
                         moves.append((a, slot, b - a))
                     slot += b - a
-    for buf in (keys, values) if quant is None else ():  # a quantised ring: never re-laid out once it holds tokens
+    own = quant is not None or pages is not None  # the ring's own storage: never re-laid out once it holds tokens
+    for buf in (keys, values) if not own else ():
         if moves:
             rows = torch.cat([buf.narrow(1, a, m) for a, _, m in moves], dim=1)
             at = 0
@@ -47,7 +48,8 @@ def relayout(old: RingCache | None, old_map: VirtualMap, new_map: VirtualMap, ke
     with torch.inference_mode(False):  # metadata the ring updates in place, in or out of inference mode
         ring = RingCache(tuple(keys.shape), tuple(values.shape), seq_dim=1, sink=sink, window=window, chunk=chunk,
                          dtype=keys.dtype, device=keys.device,
-                         **({"buffers": (keys.unsqueeze(0), values.unsqueeze(0))} if quant is None else {"quant": quant}))
+                         **({"buffers": (keys.unsqueeze(0), values.unsqueeze(0))} if not own else
+                            {"quant": quant, "pages": pages}))
     at = 0
     while at < end:
         m = min(chunk, end - at)
@@ -59,8 +61,10 @@ def relayout(old: RingCache | None, old_map: VirtualMap, new_map: VirtualMap, ke
 
 def ring_slices(ring: RingCache, rows: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
     """K/V ``[B, T, h, D]`` of the ring's slot ``rows``: one zero-copy slice when they are one
-    range (or none), else a concatenation (a copy) in the order given."""
-    if ring.storage.store.buffers() is None:  # a store of codes: a dequantised copy of those rows, in the cache dtype
+    range (or none), else a concatenation (a copy) in the order given; a gathered copy for a ring
+    of codes (dequantised) or of pages."""
+    store = ring.storage.store
+    if store.buffers() is None or store.table is not None:  # codes or pages: a copy of those rows, in the cache dtype
         idx = torch.tensor([s for a, b in rows for s in range(a, b)], dtype=torch.long, device=ring.device)
         st = ring.storage
         return st.gather(0, "k", idx).to(ring.dtype), st.gather(0, "v", idx).to(ring.dtype)

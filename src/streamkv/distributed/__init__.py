@@ -10,6 +10,11 @@ per-rank caches.
 
 The comparison of context-parallel rollouts against one process is an experiment
 (:mod:`streamkv.lab.experiments.cp_compare`).
+
+Branches: a rank's caches hold its ``H/N`` heads, so ``StreamingRollout.fork`` on every rank
+(same arguments, the same noise everywhere) forks each rank's own head shard: each rank's pool
+holds its shard's pages, no collective is needed, and the branches equal the single-process
+fork's (``tests/test_distributed.py``).
 """
 
 from __future__ import annotations

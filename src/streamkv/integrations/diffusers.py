@@ -40,6 +40,7 @@ Why this long: every difference from diffusers' own model and every refusal is l
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -173,6 +174,7 @@ class StreamingWan:
             processors[f"blocks.{i}.attn1.processor"] = proc
         model.set_attn_processor(processors)
         self._hook = model.rope.register_forward_hook(self._absolute_rope, with_kwargs=True)
+        self._family: list[StreamingWan] = [self]  # the streams sharing this attachment (fork)
 
     # ------------------------------------------------------------- attachment
     @property
@@ -185,7 +187,8 @@ class StreamingWan:
         if self._hook is None:
             return
         self._hook.remove()
-        self._hook = None
+        for stream in self._family:  # this stream and its forks: one attachment
+            stream._hook = None
         self.model.set_attn_processor(dict(self._saved))
 
     def __enter__(self) -> StreamingWan:
@@ -193,6 +196,22 @@ class StreamingWan:
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+    # -------------------------------------------------------------- branches
+    def fork(self, n: int = 1) -> list[StreamingWan]:
+        """``n`` streams over forks of :attr:`caches` (:meth:`~streamkv.caches.CacheSet.fork`: built
+        with ``pages=``, every page of the history shared copy-on-write), attached to the same model
+        (they share its processors and RoPE hook; forwards run one at a time, each with its own
+        caches). :meth:`detach` of any of them detaches them all. Refused (nothing changes) when
+        detached, and as the cache set's fork refuses (no pages, a chunk open, observers)."""
+        self.check_ready()
+        out = []
+        for caches in self.caches.fork(n):
+            view = copy.copy(self)
+            view.caches = caches
+            self._family.append(view)
+            out.append(view)
+        return out
 
     # -------------------------------------------------------------- lifecycle
     def begin_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:

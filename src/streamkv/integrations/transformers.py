@@ -70,7 +70,9 @@ then written layer 0: ``reset()``). No state dicts (the core refuses them with r
 Supported: ``generate()`` (tested: greedy, with and without ``prefill_chunk_size``; sampling
 runs the same forwards), batches without padding (every row at the same positions), forward loops
 ``model(input_ids=ids, cache=cache)`` in spans of ``1..chunk`` tokens, grouped-query attention,
-``cache.reset()``, ``torch.compile`` of the decode step with the ring (call
+``cache.reset()``, ``cache.fork(n)`` (best-of-n continuations of one prompt over pages shared
+copy-on-write: ``build_cache(..., pages=...)``, :mod:`.transformers_fork`), ``torch.compile`` of the
+decode step with the ring (call
 ``cache.prepare_step(n)`` before each compiled forward and pass ``position_ids`` and no
 ``attention_mask``: one graph, no recompiles across wraps; without ``prepare_step`` the
 lifecycle runs eagerly in a graph break: correct, not checked for recompiles). ``generate()``
@@ -315,6 +317,7 @@ def build_cache(
     certify: Mapping[str, Any] | None = None,
     quant: Any = None,
     tier: Mapping[str, Any] | None = None,
+    pages: Any = None,
     **policy_params: Any,
 ) -> StreamKVCache:
     """A :class:`StreamKVCache` of ``kind`` for a model config.
@@ -342,6 +345,10 @@ def build_cache(
             required; ``fmt``, ``group``, ``block``, ``recall_tau``, ``certify``, ``scale``, default
             the config's; ``causal`` is always True): the evicted history kept quantised on the
             device and attended (``cache.tier``); ``recall_slots`` then need ``recall_tau``.
+        pages: the K/V rows in pages (``True``, or ``{"page": ..., "spare": ..., "history": ...}``:
+            :class:`~streamkv.stores.PageOptions`), so that :meth:`StreamKVCache.fork` makes branches
+            sharing them copy-on-write (best-of-n continuations of one prompt,
+            :mod:`.transformers_fork`); ``spare`` pages are allocated for the branches' writes.
         policy_params: the policy's constructor parameters (its ``example_params`` show the
             required ones; a missing or unknown one is refused naming what the policy takes).
 
@@ -394,7 +401,8 @@ def build_cache(
         k_shape, layout = (B, S, H, D), {"seq_dim": 1, "head_dim": 2, "recall_slots": recall_slots}
     kv = CACHE_KINDS[kind](
         k_shape, k_shape, sink=sink, window=window, chunk=chunk, num_layers=cfg.num_hidden_layers, dtype=dtype,
-        device=device, **layout, **({"quant": quant} if quant is not None else {}), **policy_params,
+        device=device, **layout, **({"quant": quant} if quant is not None else {}),
+        **({"pages": pages} if pages is not None else {}), **policy_params,
     )
     certifier = None if certify is None else build_certifier(kv, cfg, certify)
     compressed = None

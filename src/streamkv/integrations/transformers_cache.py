@@ -391,6 +391,12 @@ class StreamKVCache(GenerateChecks, Cache):
         self._prepared = False
         self._stale = None
 
+    def fork(self, n: int = 1) -> list[StreamKVCache]:
+        """``n`` caches continuing this stream (built with ``pages=``), for best-of-n ``generate()``
+        continuations of one prompt: :mod:`.transformers_fork`."""
+        from .transformers_fork import fork_cache
+        return fork_cache(self, n)
+
     # ------------------------------------------------------------------ refused
     def reorder_cache(self, beam_idx: Tensor) -> None:
         raise RuntimeError(

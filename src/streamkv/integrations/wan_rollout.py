@@ -13,6 +13,10 @@ For each chunk ``c`` (as :class:`streamkv.rollout.StreamingRollout` does for the
 
 Guidance ``g > 1`` runs the ``uncond`` branch on its own cache with the negative prompt:
 ``flow = flow_u + g * (flow_c - flow_u)``. The branches share nothing but the latents.
+
+``fork(n, seeds=, prompt_embeds=)`` continues one stream in ``n`` rollouts (same prefix,
+different noise or text) over caches built with ``pages=``: the history's pages are shared
+copy-on-write, each branch writes its own chunks.
 """
 
 from __future__ import annotations
@@ -105,6 +109,73 @@ class WanStreamingRollout:
         self._chunk = 0
         if seed is not None:
             self._gen.manual_seed(seed)
+
+    def switch_prompt(self, prompt_embeds: Tensor, negative_prompt_embeds: Tensor | None = None) -> None:
+        """Continue the stream under other text states: the caches (the history) are kept, the next
+        chunks' cross-attention reads the new states. ``negative_prompt_embeds`` (guidance > 1)
+        replaces the ``uncond`` branch's; None keeps it. Checked as :meth:`set_prompt` checks; a
+        refused call changes nothing."""
+        prompts = self._check_switch(prompt_embeds, negative_prompt_embeds)
+        self._prompts = {**self._prompts, **prompts}
+
+    def _check_switch(self, prompt_embeds: Tensor | None, negative_prompt_embeds: Tensor | None) -> dict[str, Tensor]:
+        if not self._prompts:
+            raise RuntimeError("switching prompts continues a stream: set_prompt(...) first")
+        if negative_prompt_embeds is not None and self.guidance == 1.0:
+            raise ValueError(f"negative_prompt_embeds given, but guidance {self.guidance} runs the cond branch only")
+        prompts = {b: t for b, t in (("cond", prompt_embeds), ("uncond", negative_prompt_embeds)) if t is not None}
+        for name, t in prompts.items():
+            self.stream.check_prompt(f"{name} prompt states", t, cast=True)
+        return {b: t.to(device=self.device, dtype=self.dtype) for b, t in prompts.items()}
+
+    def reseed(self, seed: int) -> None:
+        """Re-seed the noise generator; the stream is kept."""
+        self._gen.manual_seed(_seed(seed))
+
+    def fork(self, n: int = 1, *, seeds: Sequence[int | None] | None = None,
+             prompt_embeds: Sequence[Tensor | None] | None = None,
+             negative_prompt_embeds: Sequence[Tensor | None] | None = None) -> list[WanStreamingRollout]:
+        """``n`` rollouts continuing this stream (its caches built with ``pages=``, e.g.
+        ``StreamingWan(..., cache_kwargs={"pages": {"spare": 8}})``): each on a forked stream
+        (:meth:`StreamingWan.fork`: the history's pages shared copy-on-write, the model's processors
+        shared), the noise generator where this one's stands unless ``seeds[i]`` re-seeds branch
+        ``i``, and the text states this one has unless ``prompt_embeds[i]`` (and
+        ``negative_prompt_embeds[i]``) continue branch ``i`` under others (:meth:`switch_prompt`).
+        This rollout stays usable. Everything is checked before any cache forks: a refused call
+        changes nothing (``ValueError``: lists of another length than ``n``, caches without pages,
+        a chunk left open by a failed attempt; ``RuntimeError``: no stream yet, a detached stream)."""
+        n = check_int("n", n, 1)
+        per = {}
+        for name, values in (("seeds", seeds), ("prompt_embeds", prompt_embeds),
+                             ("negative_prompt_embeds", negative_prompt_embeds)):
+            if values is None:
+                continue
+            if isinstance(values, (str, bytes, Tensor)) or not isinstance(values, Sequence) or len(values) != n:
+                raise ValueError(f"{name} must be a sequence of n={n} entries (None keeps this rollout's), got "
+                                 f"{type(values).__name__}")
+            per[name] = list(values)
+        seeds_ = [None if s is None else _seed(s) for s in per.get("seeds", [None] * n)]
+        switches = [self._check_switch(per.get("prompt_embeds", [None] * n)[i],
+                                       per.get("negative_prompt_embeds", [None] * n)[i]) for i in range(n)]
+        streams = self.stream.fork(n)  # every refusal before any fork
+        out = []
+        for stream, seed, prompts in zip(streams, seeds_, switches):
+            branch = object.__new__(WanStreamingRollout)
+            branch.__dict__.update(self.__dict__)
+            branch.stream, branch._prompts = stream, {**self._prompts, **prompts}
+            branch._gen = torch.Generator(device=self.device)
+            if seed is None:
+                branch._gen.set_state(self._gen.get_state())
+            else:
+                branch._gen.manual_seed(seed)
+            branch.chunk_seconds, branch.forwards = [], 0
+            out.append(branch)
+        return out
+
+    def release(self) -> None:
+        """Give this rollout's cache pages back to the pool its branches share; it refuses to
+        generate afterwards."""
+        self.stream.caches.release()
 
     @property
     def chunk_idx(self) -> int:

@@ -41,6 +41,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "compiled graph, sliding-window LLMs, StreamingLLM, re-cache, cost, the toy 8x past its window"),
     "quant": ("quant", "quantised KV storage (int8 / fp8 / int4 / int2) on SmolLM2 and the toy video model, beside "
               "transformers' QuantizedCache and sglang's QVG cache, at matched device bytes"),
+    "fork": ("fork", "one stream, several branches: the toy continues a shared prefix in branches (GIF), bytes per "
+             "branch vs full copies, fork time; --memory at the self-forcing shape"),
     "lm-eval": ("lm_eval", "caches on a real trained LM (SmolLM2-135M, Moby-Dick): perplexity and attention error at "
                 "matched KV memory vs the full cache and the per-query oracle"),
 }
@@ -65,7 +67,7 @@ COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "np
           "max_blocks": 1, "dit_window_frames": 1, "layouts": 1, "calls": 1, "steps": 1, "batch": 1, "clips": 1,
           "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0,
           "long_clips": 1, "long_factor": 1, "position_factor": 1, "headline_repeats": 1, "positions": 0,
-          "quant": 0, "chunk": 1, "residual": 1, "cert_tokens": 1, "read_tokens": 1, "toy_frames": 1,
+          "quant": 0, "forks": 0, "chunk": 1, "residual": 1, "cert_tokens": 1, "read_tokens": 1, "toy_frames": 1,
           "segment": 2, "decode": 0, "position_clips": 0}
 #: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
 SEED_RANGE = (0, 2**32)

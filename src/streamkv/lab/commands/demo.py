@@ -4,7 +4,9 @@ current path, flashdreams' ``BlockKVCache``, the ring and the copy floor (time, 
 memory allocated), beside the embedded tiny model's streaming rollout through every cache
 (current path, ring, mass budget, H2O, TOVA), with a progress bar, tables and plots; then the
 trained toy video model streams a held-out clip several times longer than its training window
-through the ring and every other cache at the same memory (animated GIFs)."""
+through the ring and every other cache at the same memory (animated GIFs); last, one prefix of
+the toy continued in four branches over pages shared copy-on-write (``streamkv fork``'s video:
+``fork.gif``, the bytes each branch adds)."""
 
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     plot_runs(result, str(out / "demo_rollout.png"))
     write_json(out / "demo.json", {**rollout, "headline": headline, "versions": environment()})
     console.print(f"wrote {out / 'demo.png'} (the headline), {out / 'demo_rollout.png'}, {out / 'demo.json'}")
-    return _video(out, args.video_frames, args.weights)
+    status = _video(out, args.video_frames, args.weights)
+    return status or _fork(out, args.weights)
 
 
 def _video(out, frames: int, weights: str | None = None) -> int:
@@ -105,6 +108,19 @@ def _video(out, frames: int, weights: str | None = None) -> int:
         )
     console.print(f"wrote {out / 'demo.gif'}, {out / 'demo_panel.gif'}, {out / 'demo_panel.png'}, "
                   f"{out / 'demo_video.json'} ({result['wall_s']:.1f} s)")
+    return 0
+
+
+def _fork(out, weights: str | None) -> int:
+    """``streamkv fork``'s toy video at its defaults: one prefix, four branches (a few seconds)."""
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.commands.fork import fork_video_section
+    from streamkv.lab.env import environment
+
+    ns = argparse.Namespace(branches=4, prompt=[], prefix_frames=None, frames=24, seed=0, weights=weights, repeats=20)
+    result = fork_video_section(ns, out, make_console())
+    write_json(out / "fork.json", {"argv": ["streamkv", "demo"], "video": result, "versions": environment("cpu")})
     return 0
 
 

@@ -1,6 +1,7 @@
 """``streamkv fuzz``: the differential fuzzer over every cache kind (see :mod:`streamkv.lab.fuzz`),
-with the position-map hook (``--positions``, :mod:`streamkv.lab.fuzz_positions`) and the
-quantised-storage hook (``--quant``, :mod:`streamkv.lab.fuzz_quant`)."""
+with the position-map hook (``--positions``, :mod:`streamkv.lab.fuzz_positions`), the
+quantised-storage hook (``--quant``, :mod:`streamkv.lab.fuzz_quant`) and the fork-tree hook
+(``--forks``, :mod:`streamkv.lab.fuzz_branches`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", type=int, default=0,
                    help="random quantised-storage streams too (every kind x format of streamkv.quant.KV_FORMATS, "
                         "residuals, spans, reopens, resets, state dicts; default 0)")
+    p.add_argument("--forks", type=int, default=0,
+                   help="random fork trees too (paged caches of every kind, format and map: fork, rewind, release, "
+                        "export / import against unforked references; leaked pages; default 0)")
     p.add_argument("--json", metavar="PATH", help="write the counts as JSON")
 
 
@@ -27,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from streamkv.lab.commands._common import write_json
     from streamkv.lab.env import environment, threads
     from streamkv.lab.fuzz import run_fuzz
+    from streamkv.lab.fuzz_branches import fuzz_branches
     from streamkv.lab.fuzz_quant import fuzz_quant
 
     console = make_console()
@@ -39,7 +44,16 @@ def run(args: argparse.Namespace) -> int:
             qtask = progress.add_task("quantised streams", total=args.quant)
             quant = fuzz_quant(args.quant, seed=args.seed, keep_going=True,
                                progress=lambda i: progress.update(qtask, completed=i))
+        forks = None
+        if args.forks:
+            ftask = progress.add_task("fork trees", total=args.forks)
+            forks = fuzz_branches(args.forks, seed=args.seed, progress=lambda i: progress.update(ftask, completed=i))
     data = result.to_json()
+    if forks is not None:  # its own counts under "forks"; what must be zero joins the totals
+        data["forks"] = forks
+        for key in ("mismatches", "state_changes_after_rejection", "bad_calls_accepted"):
+            data[key] += forks[key]
+        data["failures"] += forks["failures"]
     if quant is not None:
         data["quant"] = quant
         data["mismatches"] += quant["mismatches"]
@@ -55,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{'quantised streams':>30}: {quant['cases']:,} ({quant['slots_checked']:,} slots checked, "
                       f"{quant['refused_writes']} refused writes, {quant['mismatches']} mismatches, "
                       f"{quant['seconds']:.1f} s; formats {quant['formats']})")
+    if forks is not None:
+        console.print(f"{'fork trees':>30}: {forks['cases']:,} ({forks['steps']:,} chunks, {forks['forks']} forks up to "
+                      f"{forks['max_fanout']} wide and {forks['max_depth']} deep, {forks['rewinds']} rewinds, "
+                      f"{forks['releases']} releases, {forks['exports']} exports, {forks['rejected_calls']} refused "
+                      f"calls; {forks['mismatches']} mismatches, {forks['state_changes_after_rejection']} state "
+                      f"changes, {forks['leaked_pages']} leaked pages; {forks['seconds']:.1f} s)")
     console.print(f"{'seconds':>30}: {data['seconds']:.1f}")
     console.print(f"{'layouts per kind':>30}: {data['kinds']}")
     for line in data["failures"]:
@@ -63,5 +83,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         console.print(f"wrote {args.json}")
     bad = (data["state_changes_after_rejection"] + data["bad_calls_accepted"] + data["mismatches"]
-           + data["certificate_undercounts"])
+           + data["certificate_undercounts"] + (forks["leaked_pages"] if forks is not None else 0))
     return 1 if bad else 0
