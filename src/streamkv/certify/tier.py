@@ -393,12 +393,18 @@ class CompressedTier(CacheObserver):
         from the codes (``x^ -+ dx``, rounded outward), their entries of this batch from the originals."""
         B, H, D, Dv, blk, dev = self.B, self.H, self.D, self.Dv, self.block, self.k_codes.device
         nb = self.lo[layer].shape[2]
-        ent = self._ring_entries(c_old)  # [H, M] before this append
-        eb = torch.div(ent, blk, rounding_mode="floor")
-        pushed = (ent >= 0) & (eb >= f_old.to(dev).view(-1, 1)) & (eb < f_new.to(dev).view(-1, 1))
-        hs, ms = pushed.nonzero(as_tuple=True)
+        # the pushed blocks' entries still in the ring (host arithmetic: no device read)
+        nb_h = f_new - f_old
+        heads = torch.repeat_interleave(torch.arange(H), nb_h)  # one per pushed block
+        starts = torch.cumsum(nb_h, 0) - nb_h
+        bids = f_old[heads] + torch.arange(heads.numel()) - starts[heads]
+        hs = heads.repeat_interleave(blk)
+        ent = (bids * blk).repeat_interleave(blk) + torch.arange(blk).repeat(heads.numel())
+        old_rows = ent < c_old[hs]  # the batch's own rows come from the originals below
+        hs, ent = hs[old_rows], ent[old_rows]
         rows_h, rows_b, klo, khi, vlo, vhi = [], [], [], [], [], []
         if hs.numel():
+            hs, ms, eb_rows = hs.to(dev), (ent % self.M).to(dev), torch.div(ent, blk, rounding_mode="floor").to(dev)
             ks = None if self.k_scale is None else self.k_scale[layer][:, hs, ms]
             vs = None if self.v_scale is None else self.v_scale[layer][:, hs, ms]
             kc, vc = self.k_codes[layer][:, hs, ms], self.v_codes[layer][:, hs, ms]  # [B, n, W]
@@ -412,9 +418,9 @@ class CompressedTier(CacheObserver):
             vlo.append(torch.nextafter(vd - dv, down))
             vhi.append(torch.nextafter(vd + dv, up))
             rows_h.append(hs)
-            rows_b.append(eb[hs, ms])
-        new = torch.div(e, blk, rounding_mode="floor") < f_row  # rows of this batch already beyond the ring
-        if bool(new.any()):
+            rows_b.append(eb_rows)
+        if bool((c_old < f_new * blk).any()):  # rows of this batch already beyond the ring (host test)
+            new = torch.div(e, blk, rounding_mode="floor") < f_row
             k32, v32 = self._outward(k[new]), self._outward(v[new])
             klo.append(k32[0].transpose(0, 1))
             khi.append(k32[1].transpose(0, 1))
