@@ -14,6 +14,12 @@ tier-3 mass exceeds its mass bound. Tightness: certified / true L-inf error (the
 bound is a worst case over every rounding; the true rounding errors partly cancel) and, where
 tier 3 holds tokens, certified / true mass.
 
+``run_quarter``: the tier's cost. The full cache (a ring holding the stream), the ring and TOVA at a
+quarter of its device bytes, and the tier at the same quarter with a TOVA or a ring tier 1, each
+without certificates, certified, and certified with recall, all timed in one run (ms per chunk,
+the float64 checks excluded; ``ms_per_chunk_in_certificates`` the certificates' and recall
+plans' share).
+
 ``per_chunk_oracle`` (:class:`~streamkv.budget.oracles.PerChunkMass`): per key head and chunk,
 the ``memory`` tokens of the largest summed attention over the chunk's queries (every query head
 of the group), chosen on the float64 full history; sinks and the current chunk protected.
@@ -39,7 +45,8 @@ from streamkv.budget.oracles import PerChunkMass
 from streamkv.certify.tier import CompressedTier
 from streamkv.lab.kinds import kind_params
 
-__all__ = ["TierConfig", "tier_geometry", "run_tier", "run_quarter", "QUARTER_CONFIGS", "per_chunk_oracle",
+__all__ = ["TierConfig", "tier_geometry", "run_tier", "run_quarter", "QUARTER_CONFIGS", "QUARTER_CONFIGS_TOY",
+           "per_chunk_oracle",
            "self_forcing_h2d", "SELF_FORCING"]
 
 
@@ -247,6 +254,9 @@ def self_forcing_h2d(recalled_per_new_token: float) -> dict[str, float]:
 #: certificates, certified without recall, and certified with recall (the cost of each part)
 QUARTER_CONFIGS = tuple(TierConfig("int8", 0.3, policy=pol, certify=cert, tau=tau)
                         for pol in ("tova", "ring") for cert, tau in ((False, None), (True, None), (True, 0.01)))
+#: the toy model's 32 sink tokens and 32-token chunks need more of tier 1 (as in its sweep)
+QUARTER_CONFIGS_TOY = tuple(TierConfig("int8", 0.75, recall_fraction=0.15, policy=c.policy, certify=c.certify, tau=c.tau)
+                            for c in QUARTER_CONFIGS)
 
 
 def run_quarter(stream, *, sink: int, fulls: list[Tensor], vranges: list[Tensor], probs: list[Tensor],

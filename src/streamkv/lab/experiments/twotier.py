@@ -394,14 +394,16 @@ def run_real(streams: dict[str, Callable[[], Stream]],
 
 def _run_dataset(name: str, build: Callable[[], Stream], configs: tuple[TwoTierConfig, ...],
                  say: Callable[[str], None], tiers: tuple[Any, ...] = (), quarter: bool = True) -> dict[str, Any]:
-    from .tier import QUARTER_CONFIGS
+    from .tier import QUARTER_CONFIGS, QUARTER_CONFIGS_TOY
+
+    quarter_cfgs = QUARTER_CONFIGS_TOY if name == "toy" else QUARTER_CONFIGS
 
     say(f"{name}: attention inputs")
     stream = build()
     sweep = []
     for i, cfg in enumerate(configs):
         sweep.append(run_two_tier(stream, cfg, progress=lambda c, i=i: say(f"{name} [{i + 1}/{len(configs)}]: {c}"),
-                                  tiers=tiers if i == 0 else (), quarter=QUARTER_CONFIGS if quarter and i == 0 else ()))
+                                  tiers=tiers if i == 0 else (), quarter=quarter_cfgs if quarter and i == 0 else ()))
     first = sweep[0]
     return {"info": stream.info, "caches": first["caches"], "ratios": first["ratios"], "config": first["config"],
             "matched_memory_tokens": first["matched_memory_tokens"], "token_bytes": first["token_bytes"],
