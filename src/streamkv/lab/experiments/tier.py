@@ -255,7 +255,7 @@ def self_forcing_h2d(recalled_per_new_token: float) -> dict[str, float]:
 QUARTER_CONFIGS = tuple(TierConfig("int8", 0.3, policy=pol, certify=cert, tau=tau)
                         for pol in ("tova", "ring") for cert, tau in ((False, None), (True, None), (True, 0.01)))
 #: the toy model's 32 sink tokens and 32-token chunks need more of tier 1 (as in its sweep)
-QUARTER_CONFIGS_TOY = tuple(TierConfig("int8", 0.75, recall_fraction=0.15, policy=c.policy, certify=c.certify, tau=c.tau)
+QUARTER_CONFIGS_TOY = tuple(TierConfig("int8", 0.6, recall_fraction=0.15, policy=c.policy, certify=c.certify, tau=c.tau)
                             for c in QUARTER_CONFIGS)
 
 
