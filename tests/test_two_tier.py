@@ -196,7 +196,11 @@ def test_cli_real_writes_the_promised_json(tmp_path, capsys):
     assert {"per_chunk_oracle", "compressed_tier"} <= set(caches)
     assert caches["compressed_tier"]["h2d_bytes_per_chunk"] >= 0 and "h2d_self_forcing" in caches["compressed_tier"]
     assert (tmp_path / "real.png").stat().st_size > 10_000
-    assert "ring / two_tier error" in capsys.readouterr().out
+    quarter = res["datasets"]["video"]["quarter"]["caches"]
+    assert {"full", "ring", "tova", "tier_tova_nocert", "tier_tova_cert", "tier_ring_cert_recall"} <= set(quarter)
+    assert all("skipped" in c or c["violations"] in (0, None) for c in quarter.values())
+    out = capsys.readouterr().out
+    assert "ring / two_tier error" in out and "at a quarter of the full cache's bytes" in out
 
 
 def test_cli_real_fails_fast_on_bad_arguments(capsys):
@@ -270,3 +274,26 @@ def test_compressed_tier_in_the_comparison():
     h = self_forcing_h2d(1.0)  # recalling as many tokens as the chunk brings: one chunk's K/V of every layer
     assert h["h2d_bytes_per_chunk"] == 4680 * s["layers"] * s["heads"] * 2 * s["head_dim"] * s["bytes_per_element"]
     assert h["h2d_ms_per_chunk"] == pytest.approx(1e3 * h["h2d_bytes_per_chunk"] / 35e9)
+
+
+def test_quarter_tier_timed_against_the_full_cache():
+    """``run_quarter``: the full cache, the ring and TOVA at a quarter of its bytes and the compressed
+    tier at the same bytes, uncertified and certified, in one run; the certified run has 0
+    violations and the uncertified one certifies nothing; the tier's bytes stay within the quarter."""
+    from streamkv.lab.experiments.tier import TierConfig, run_quarter
+    from streamkv.lab.experiments.twotier import _full_attention, _probs, video_stream
+
+    s = video_stream(frames=32, layers=1)
+    fulls, vranges = zip(*(_full_attention(s, 0),))
+    cfgs = (TierConfig("int8", 0.3, certify=False, tau=None), TierConfig("int8", 0.5, tau=0.01))
+    r = run_quarter(s, sink=2, fulls=list(fulls), vranges=list(vranges), probs=_probs(s), configs=cfgs)
+    c = r["caches"]
+    assert set(c) == {"full", "ring", "tova", "tier_tova_nocert", "tier_tova_cert_recall"}
+    assert c["full"]["error_mean"] < 1e-5 and r["ratios"]["full_ms_over_full"] == 1.0
+    nc, ce = c["tier_tova_nocert"], c["tier_tova_cert_recall"]
+    assert nc["violations"] is None and nc["certified_steps"] == 0 and nc["tightness_median"] is None
+    assert ce["violations"] == 0 and ce["certified_steps"] == s.tokens // s.chunk and ce["recalled_tokens"] > 0
+    for t in (nc, ce):
+        assert t["device_bytes"] <= r["budget_bytes"] == r["full_bytes"] / 4
+        assert r["ratios"][f"tier_tova_{'nocert' if t is nc else 'cert_recall'}_ms_over_full"] > 0
+    assert nc["error_mean"] < c["tova"]["error_mean"]  # the evicted history attended from tier 2

@@ -132,6 +132,10 @@ class Certificate:
         log_zhat: ``log Z_hat`` (as computed).
         block_log_contrib: ``[B, H, Q, NB]``: ``U_b + log n_b - lse_K`` per block (what recall
             ranks by); ``None`` unless requested.
+        out_error: ``[B, H, Q, Dv]`` or None: a bound on ``|out_kept - o_K|`` per channel, ``o_K``
+            the exact attention over the held K/V (:mod:`.bound32`'s float32 certificate; None where
+            ``out_kept`` is float64 and its rounding is part of the allowance).
+        lse_error: ``[B, H, Q]`` or None: a bound on ``|lse_kept - lse_K|`` (likewise).
     """
 
     log_mass: Tensor
@@ -142,6 +146,8 @@ class Certificate:
     out_kept: Tensor
     log_zhat: Tensor
     block_log_contrib: Tensor | None = None
+    out_error: Tensor | None = None
+    lse_error: Tensor | None = None
 
 
 

@@ -5,46 +5,50 @@ blocks the certificate blames.
     cache = KVCache(..., policy="tova", recall_slots=R)       # tier 1: full precision
     tier = CompressedTier(cache, fmt="int4", capacity=M, recall_tau=0.01, causal=True)
     read = cache.layer(i).update(k, v, q)                      # on_queries: certificate (+ recall)
-    out = tier.attend(i, q, read)                              # tiers 1 + 2 and the recall slots, one softmax
-    tier.last[i]                                               # the step's Certificate
+    out = attend(q, read)                                      # tiers 1 + 2 and the recall slots, one softmax
+    tier.last[i]                                               # the step's Certificate (None: not certified)
 
 Per (layer, head):
 
-1. **full precision** (the cache): sinks, the open span, what its policy keeps (TOVA keeps the
-   tokens it ranks highest), and its recall slots.
+1. **full precision** (the cache): sinks, the open span, what its policy keeps, its recall slots.
 2. **compressed** (device): the last ``capacity`` tokens the policy evicted, in eviction order,
-   K and V as codes and scales of a :data:`~streamkv.quant.KV_FORMATS` format (its own
-   ``encode`` / ``decode`` / ``error_bound``) in a ring of ``capacity`` entries; attended
-   (decoded) unless recalled.
+   K and V as codes and scales of a :data:`~streamkv.quant.KV_FORMATS` format in a ring of
+   ``capacity`` entries; attended (a segment of the cache's own read) unless recalled.
 3. **beyond the horizon**: tokens pushed out of tier 2, a block (``block`` consecutive entries)
-   at a time: a count and the box of the block's original keys (exact float32 min / max, from
-   the host copy); bounded, not attended.
+   at a time: the box of the block's original keys (from the codes being overwritten,
+   ``[k^ - dk, k^ + dk]`` rounded outward: no host read) and its count; bounded, not attended.
 4. **host**: every evicted token's original K/V; entry ``e`` of a head is its ``e``-th evicted
-   token, so block ``b`` is entries ``[b * block, (b + 1) * block)``: a slice.
+   token (block ``b`` = entries ``[b * block, (b + 1) * block)``), in one growing buffer per layer.
+
+Everything per eviction is a few tensor operations per layer over all heads (no loop over heads
+but a host-side dict check of recalled blocks when recall is on); the host copy needs host
+indices, so a commit reads its evictions' heads once per layer (the commit synchronises anyway).
 
 **The certificate** (per query, against full-history attention over the original K/V) is
-:mod:`.quant_bound`'s: the kept set is tiers 1 (slack 0) and 2 (the format's per-element
-bound), the evicted set tier 3's boxes; tier 3 bounds the *original* keys and values, so the
-evicted part needs no widening (``Delta_D = eps_D = 0``). Proofs: :mod:`.bound`, :mod:`.quant_bound`.
+:mod:`.bound32`'s: float32 over tiers 1 and 2 with a proven outward margin, the first-order
+key slack (no double charge of ``lambda``), the exact ``|v^ - o^|`` for each query's heaviest
+entries; tier 3 bounds the originals. **Optional per call**: ``certify=True`` (every step),
+``False`` (none), or ``k`` (the steps of every ``k``-th span); the attribute may be changed
+between calls. A step that is not certified leaves ``last[layer] = None``: a certificate bounds
+the step it was computed for, nothing else.
 
-**Recall**, planned once per span (a video chunk's first denoising pass; the later passes of
-the same span keep it): per head, tier 2 and 3 blocks ranked by an estimate of their part of
-the bound; the shortest prefix after which every query's L-inf error bound would be
-``<= recall_tau x`` the head's value range (max - min of every value written so far) is copied
-from the host into the recall slots, its tier-2 entries masked; the certificate is then
-recomputed (the guarantee is that certificate, not the plan). Blocks recalled for an earlier
-span are released when their slots are needed. ``stats["h2d_bytes"]`` counts what was copied.
+**Recall**, planned at the first certified step of a span (later steps of the span keep it):
+per head, tier 2 and 3 blocks ranked on the device by an estimate of their part of the bound;
+the shortest prefix after which every query's L-inf error bound would be ``<= recall_tau x`` the
+head's value range is chosen on the device. One host read per plan (per layer and span: the
+chosen blocks, which the copy from host memory needs as host indices); the blocks are copied
+into the recall slots, their tier-2 entries masked, and the certificate recomputed (the
+guarantee is that certificate, not the plan). Blocks recalled for an earlier span are released
+when their slots are needed. ``stats["h2d_bytes"]`` counts what was copied.
 
 Refused with the reason: a cache that is not ``[B, T, H, D]`` (rank 4, seq_dim 1, head_dim 2),
 quantised storage (tier 1 is the full-precision tier), a cache that has already evicted,
 recall slots without ``recall_tau`` or ``recall_tau`` without recall slots (fewer than a block),
-a second recall owner, a state-dict load,
-a capacity that is not a positive multiple of ``block``. Scope: eager, RoPE at write, the
-identity basis.
+recall without certificates, a second recall owner, a state-dict load, a capacity that is not a
+positive multiple of ``block``. Scope: eager, RoPE at write, the identity basis.
 
-Why one module: the observer hooks, the certificate and recall share one piece of state, the
-per-(layer, head) entry, block and recall-slot bookkeeping. Why this long: the tiers and the
-recall plan are this class's definition.
+Why one module: the observer hooks, the certificate's inputs and recall share one piece of
+state, the per-(layer, head) entry, block and recall-slot bookkeeping.
 """
 
 from __future__ import annotations
@@ -60,14 +64,18 @@ from ..budget.mass import check_tau
 from ..caches import CacheObserver, Change, KVCache
 from ..quant import KVQuant
 from ..scoring import fold_groups
-from ..storage import position_bias
+from ..storage import position_mask
 from ..stores import Segment
+from ..stores.codecs import IntCodec
 from ..validate import check_int, check_real
-from .bound import Certificate, certify
+from .bound import Certificate
+from .bound32 import TierHeld, certify_tier
 from .certifier import check_reopen, claim_unevicted, release
-from .quant_bound import kept_quant_error, logit_slack, value_slack, widen
 
 __all__ = ["CompressedTier"]
+
+_FAR = 1 << 40  # above any position: sorts evicted tokens by (head, position) in one key
+_BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
 
 
 class CompressedTier(CacheObserver):
@@ -83,13 +91,14 @@ class CompressedTier(CacheObserver):
             head's value range (None: no recall; the cache must then have no recall slots).
         causal: position-causal queries (an LLM's prefill chunks), as :func:`~streamkv.attention.attend`.
         scale: the softmax scale (default ``1/sqrt(D)``).
-        certify: compute every step's certificate (``last``); ``False`` (only without recall,
-            which plans from it): the tiers attend, nothing is certified (``last`` stays None).
+        certify: ``True`` every step, ``False`` none, or an int ``k >= 1``: the steps of every
+            ``k``-th span (see the module docstring); recall needs certificates.
+        top: entries per query whose output deviation the certificate takes exactly.
     """
 
     def __init__(self, cache: KVCache, *, fmt: str = "int8", group: int | None = None, capacity: int,
                  block: int = 16, recall_tau: float | None = None, causal: bool = False,
-                 scale: float | None = None, certify: bool = True) -> None:
+                 scale: float | None = None, certify: bool | int = True, top: int = 16) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
         st = cache.storage
@@ -103,11 +112,12 @@ class CompressedTier(CacheObserver):
         capacity = check_int("capacity", capacity, 1)
         if capacity % block:
             raise ValueError(f"capacity must be a multiple of block ({block}), got {capacity}")
-        for name, flag in (("causal", causal), ("certify", certify)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-        if recall_tau is not None and not certify:
-            raise ValueError("recall plans from the certificate: recall_tau needs certify=True")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+        self.certify = certify  # checked by the setter
+        self.top = check_int("top", top, 0)
+        if recall_tau is not None and certify is False:
+            raise ValueError("recall plans from the certificate: recall_tau needs certify=True (or an int)")
         if recall_tau is not None:
             recall_tau = check_tau(recall_tau, "recall_tau")
             if st.recall_slots < block:
@@ -122,7 +132,7 @@ class CompressedTier(CacheObserver):
         self.gk, self.gv = self.quant.groups(D, Dv)
         self.cache, self.storage = cache, st
         self.L, self.B, self.H, self.D, self.Dv = cache.num_layers, cache.k_shape[0], st.heads, D, Dv
-        self.M, self.block, self.recall_tau, self.causal, self.certifies = capacity, block, recall_tau, causal, certify
+        self.M, self.block, self.recall_tau, self.causal = capacity, block, recall_tau, causal
         self.scale = 1.0 / math.sqrt(D) if scale is None else check_real("scale", scale, positive=True)
         dev, L, B, H, M = cache.device, self.L, self.B, self.H, capacity
         self.k_codes = torch.zeros((L, B, H, M, self.kf.code_width(D)), dtype=torch.uint8, device=dev)
@@ -132,12 +142,33 @@ class CompressedTier(CacheObserver):
         self.v_scale = (torch.zeros((L, B, H, M, Dv // self.gv), dtype=torch.bfloat16, device=dev)
                         if self.vf.scaled else None)
         self.live = torch.zeros((L, H, M), dtype=torch.bool, device=dev)
-        self.entry_pos = torch.full((L, H, M), -1, dtype=torch.long, device=dev)  # the position each entry holds
+        self.entry_pos = torch.full((L, H, M), -1, dtype=torch.int32, device=dev)  # the position each entry holds
+        R = st.recall_slots
+        self.rec_block = torch.full((L, H, max(R, 1)), -1, dtype=torch.long, device=dev)  # block held per recall slot
         self._slot = torch.arange(M, device=dev)
+        self.box_dtype = torch.float32
         self.attached = False
         self.broken: str | None = None
         self._clear()
         cache.add_observer(self)
+
+    # ------------------------------------------------------------- options
+    @property
+    def certify(self) -> bool | int:
+        """``True`` (every step), ``False`` (none) or ``k`` (every ``k``-th span); settable between calls."""
+        return self._certify
+
+    @certify.setter
+    def certify(self, value: bool | int) -> None:
+        if not isinstance(value, bool):
+            value = check_int("certify", value, 1)
+        if value is False and getattr(self, "recall_tau", None) is not None:
+            raise ValueError("recall plans from the certificate: a tier with recall_tau keeps certifying")
+        self._certify = value
+
+    @property
+    def certifies(self) -> bool:
+        return self._certify is not False
 
     def _clear(self) -> None:
         L, H, B, D, Dv, dev = self.L, self.H, self.B, self.D, self.Dv, self.cache.device
@@ -148,40 +179,68 @@ class CompressedTier(CacheObserver):
                 s.zero_()
         self.live.zero_()
         self.entry_pos.fill_(-1)
-        self.lo = [torch.zeros((B, H, 0, D), dtype=self.cache.dtype, device=dev) for _ in range(L)]
-        self.hi = [torch.zeros((B, H, 0, D), dtype=self.cache.dtype, device=dev) for _ in range(L)]
-        self.log_count = [torch.zeros((1, H, 0), dtype=torch.float64, device=dev) for _ in range(L)]
-        self.vlo = torch.full((L, B, H, Dv), math.inf, dtype=torch.float64, device=dev)
-        self.vhi = torch.full((L, B, H, Dv), -math.inf, dtype=torch.float64, device=dev)
-        self.vmin = torch.full((L, H), math.inf, dtype=torch.float64, device=dev)
-        self.vmax = torch.full((L, H), -math.inf, dtype=torch.float64, device=dev)
-        self.host: list[list[list[tuple[Tensor, Tensor, Tensor]]]] = [[[] for _ in range(H)] for _ in range(L)]
-        self._host_cat: dict[tuple[int, int], tuple[int, Tensor, Tensor, Tensor]] = {}
-        self.count = [[0] * H for _ in range(L)]  # entries appended per (layer, head)
-        self.frontier = [[0] * H for _ in range(L)]  # blocks < frontier are in tier 3
+        self.rec_block.fill_(-1)
+        self.lo = [torch.zeros((B, H, 0, D), dtype=self.box_dtype, device=dev) for _ in range(L)]
+        self.hi = [torch.zeros((B, H, 0, D), dtype=self.box_dtype, device=dev) for _ in range(L)]
+        self.log_count = [torch.zeros((1, H, 0), dtype=torch.float32, device=dev) for _ in range(L)]
+        self.vlo = torch.full((L, B, H, Dv), math.inf, dtype=torch.float32, device=dev)
+        self.vhi = torch.full((L, B, H, Dv), -math.inf, dtype=torch.float32, device=dev)
+        self.vmin = torch.full((L, H), math.inf, dtype=torch.float32, device=dev)
+        self.vmax = torch.full((L, H), -math.inf, dtype=torch.float32, device=dev)
+        pin = self.cache.device.type == "cuda"
+        self._pin = pin
+        dt = self.cache.dtype
+        self._hk = [torch.zeros((H, 0, B, D), dtype=dt, pin_memory=pin) for _ in range(L)]
+        self._hv = [torch.zeros((H, 0, B, Dv), dtype=dt, pin_memory=pin) for _ in range(L)]
+        self._hp = [torch.zeros((H, 0), dtype=torch.long, pin_memory=pin) for _ in range(L)]
+        self._count = torch.zeros((L, H), dtype=torch.long)  # entries appended per (layer, head), host
+        self._front = torch.zeros((L, H), dtype=torch.long)  # blocks < frontier are in tier 3, host
         self._recalled: list[list[dict[int, tuple[list[int], int]]]] = [[{} for _ in range(H)] for _ in range(L)]
         self._free = [[list(range(self.storage.recall_slots)) for _ in range(H)] for _ in range(L)]
         self._planned: list[int | None] = [None] * L
+        self._span: list[tuple[int | None, int]] = [(None, -1)] * L  # (start, ordinal) of the span each layer saw
         self.last: list[Certificate | None] = [None] * L
+        self._ref: list[Tensor | None] = [None] * L  # the last certificate's mean output (bound32's reference)
         self.stats: dict[str, Any] = {"steps": 0, "plans": 0, "recalled_blocks": 0, "recalled_tokens": 0,
                                       "h2d_bytes": 0, "shortfalls": 0, "dropped_blocks": 0, "box_bytes_peak": 0,
-                                      "certify_seconds": 0.0, "h2d_bytes_per_span": []}
+                                      "certify_seconds": 0.0, "h2d_bytes_per_span": [], "uncertified_steps": 0}
 
     # ------------------------------------------------------------------ sizes
     @property
+    def count(self) -> list[list[int]]:
+        """Entries appended per (layer, head) (host ints)."""
+        return self._count.tolist()
+
+    @property
+    def frontier(self) -> list[list[int]]:
+        return self._front.tolist()
+
+    @property
     def nbytes(self) -> int:
-        """Device bytes of tiers 2 and 3: codes, scales, the live mask, boxes, counts, value boxes."""
-        t2 = sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.live) if t is not None)
+        """Device bytes of tiers 2 and 3: codes, scales, live flags, entry positions, boxes and counts,
+        value boxes and ranges, the recall-slot table."""
+        t2 = sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.live, self.entry_pos)
+                 if t is not None)
         t3 = sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in zip(self.lo, self.hi, self.log_count))
-        return t2 + t3 + self.vlo.nbytes + self.vhi.nbytes + self.vmin.nbytes + self.vmax.nbytes
+        rest = sum(t.nbytes for t in (self.vlo, self.vhi, self.vmin, self.vmax))
+        return t2 + t3 + rest + (self.rec_block.nbytes if self.storage.recall_slots else 0)
 
     @property
     def host_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes + p.nbytes for per in self.host for rows in per for k, v, p in rows)
+        """Host bytes of the evicted originals held (K, V and an int64 position per entry)."""
+        n = int(self._count.sum())
+        return n * (self.B * (self.D + self.Dv) * self._hk[0].element_size() + 8)
+
+    def tier3_bytes(self, blocks: int) -> int:
+        """Device bytes of tier 3 holding ``blocks`` blocks per (layer, head), as allocated (float32
+        boxes and counts, a step of blocks at a time): what a byte budget must reserve for it."""
+        alloc = -(-blocks // _BOX_STEP) * _BOX_STEP
+        return self.L * self.H * alloc * (2 * self.B * self.D * 4 + 4)
 
     def bytes_per_entry(self) -> int:
-        """Device bytes of one tier-2 entry (one token of one head, all of B): codes, scales, live flag."""
-        return self.B * self.quant.bytes_per_token(self.D, self.Dv) + 1
+        """Device bytes of one tier-2 entry (one token of one head, all of B): codes, scales, live
+        flag, position."""
+        return self.B * self.quant.bytes_per_token(self.D, self.Dv) + 1 + self.entry_pos.element_size()
 
     # ------------------------------------------------------------ observer hooks
     def on_attach(self, cache: KVCache) -> None:
@@ -214,40 +273,35 @@ class CompressedTier(CacheObserver):
 
     def on_write(self, cache: KVCache, layer: int, k: Tensor, v: Tensor) -> None:
         """The value range per head (the scale of ``recall_tau``): every value written."""
-        v64 = v.detach().double()
-        self.vmin[layer] = torch.minimum(self.vmin[layer], v64.amin(dim=(0, 1, 3)))
-        self.vmax[layer] = torch.maximum(self.vmax[layer], v64.amax(dim=(0, 1, 3)))
+        vd = v.detach().float()
+        self.vmin[layer] = torch.minimum(self.vmin[layer], vd.amin(dim=(0, 1, 3)))
+        self.vmax[layer] = torch.maximum(self.vmax[layer], vd.amax(dim=(0, 1, 3)))
 
-    def _capture(self, event) -> list[tuple[int, list[tuple[Tensor, Tensor, Tensor]]]]:
-        """Per layer, per head: the evicted tokens' K/V ``[B, n, D]`` and positions ``[n]`` by
-        position, gathered while the cache still holds them (nothing of this tier changes)."""
-        st, cap = self.storage, self.storage.capacity
+    def _capture(self, event) -> list[tuple[int, Tensor, Tensor, Tensor, Tensor]]:
+        """Per layer: the evicted tokens' heads ``[n]``, positions ``[n]`` and K/V ``[n, B, D]``,
+        sorted by (head, position), gathered while the cache still holds them (nothing of this
+        tier changes)."""
+        st, cap, H = self.storage, self.storage.capacity, self.H
         out = []
         for layer in range(self.L):
-            ev = event.evicted[layer, :, :cap]  # [H, cap]
-            hh, ss = ev.nonzero(as_tuple=True)  # one device read (the commit synchronised anyway)
+            if event.shared_slots is not None:  # every head loses the same slots: no device read
+                ss = torch.tensor(event.shared_slots, dtype=torch.long, device=event.evicted.device)
+                hh = torch.arange(H, device=ss.device).repeat_interleave(ss.numel())
+                ss = ss.repeat(H)
+            else:
+                hh, ss = event.evicted[layer, :, :cap].nonzero(as_tuple=True)
             if hh.numel() == 0:
                 continue
-            pos = event.positions[layer].expand(self.H, -1)[hh, ss]
-            order = torch.argsort(hh * (int(pos.max()) + 1) + pos)
+            pos = event.positions[layer].expand(H, -1)[hh, ss]
+            order = torch.argsort(hh * _FAR + pos)
             hh, ss, pos = hh[order], ss[order], pos[order]
-            k = st.head_view("k", layer)[hh, :, ss]  # [n, B, D]
-            v = st.head_view("v", layer)[hh, :, ss]
-            counts = torch.bincount(hh, minlength=self.H).tolist()
-            per, at = [], 0
-            for h in range(self.H):
-                n = counts[h]
-                per.append((k[at:at + n].transpose(0, 1).clone(), v[at:at + n].transpose(0, 1).clone(), pos[at:at + n].clone()))
-                at += n
-            out.append((layer, per))
+            out.append((layer, hh, pos, st.head_view("k", layer)[hh, :, ss], st.head_view("v", layer)[hh, :, ss]))
         return out
 
     def _record(self, captured: list) -> None:
         try:
-            for layer, per in captured:
-                for h, (k, v, pos) in enumerate(per):
-                    if pos.numel():
-                        self._append(layer, h, k, v, pos)
+            for layer, hh, pos, k, v in captured:
+                self._append(layer, hh, pos, k, v)
         except BaseException as exc:
             self.broken = f"recording an applied eviction failed: {type(exc).__name__}: {exc}"
             raise
@@ -255,89 +309,170 @@ class CompressedTier(CacheObserver):
     # -------------------------------------------------------------- tier 2 / 3
     def _host_rows(self, layer: int, h: int, a: int, b: int) -> tuple[Tensor, Tensor, Tensor]:
         """Host K ``[B, n, D]``, V, positions of entries ``[a, b)`` of ``(layer, h)``."""
-        key = (layer, h)
-        n = len(self.host[layer][h])
-        if key not in self._host_cat or self._host_cat[key][0] != n:
-            rows = self.host[layer][h]
-            self._host_cat[key] = (n, torch.cat([r[0] for r in rows], 1), torch.cat([r[1] for r in rows], 1),
-                                   torch.cat([r[2] for r in rows]))
-        _, k, v, p = self._host_cat[key]
-        return k[:, a:b], v[:, a:b], p[a:b]
+        return (self._hk[layer][h, a:b].transpose(0, 1), self._hv[layer][h, a:b].transpose(0, 1),
+                self._hp[layer][h, a:b])
 
-    def _append(self, layer: int, h: int, k: Tensor, v: Tensor, pos: Tensor) -> None:
-        """Entries ``[c, c + n)`` of ``(layer, h)``: host copy, tier-2 codes, and the blocks they push out."""
-        n, c, M, blk = pos.numel(), self.count[layer][h], self.M, self.block
-        if c % blk and c // blk in self._recalled[layer][h]:  # a recalled block that grows: release it first
-            self._release(layer, h, c // blk)
-        self.host[layer][h].append((k.to("cpu"), v.to("cpu"), pos.to("cpu")))
-        end = c + n
-        self.count[layer][h] = end
-        slots = torch.arange(c, end, device=k.device) % M
-        kc, ks = self.kf.encode(k, self.gk)
-        vc, vs = self.vf.encode(v, self.gv)
-        keep = slice(max(0, n - M), n)  # of a batch larger than the ring, only the last M land in it
-        sl = slots[keep]
-        self.k_codes[layer, :, h, sl] = kc[:, keep]
-        self.v_codes[layer, :, h, sl] = vc[:, keep]
-        if ks is not None:
-            self.k_scale[layer, :, h, sl] = ks[:, keep]
-        if vs is not None:
-            self.v_scale[layer, :, h, sl] = vs[:, keep]
-        self.live[layer, h, sl] = True
-        self.entry_pos[layer, h, sl] = pos[keep].to(self.entry_pos.device)
-        old = self.frontier[layer][h]
-        new = max(old, -(-(end - M) // blk)) if end > M else old  # blocks whose entries were overwritten
-        self.frontier[layer][h] = new
-        self.stats["dropped_blocks"] += new - old
-        # tier 3 boxes: the blocks that left, and dropped blocks that received new entries
-        touched = sorted(set(range(old, new)) | set(range(c // blk, min(new, -(-end // blk)))))
-        for b in touched:
-            self._box(layer, h, b, end)
-        self._block_state(layer, h, touched)
+    def _grow_host(self, layer: int, need: int) -> None:
+        have = self._hk[layer].shape[1]
+        if need <= have:
+            return
+        new = max(need, 2 * have, 64)
+        for name in ("_hk", "_hv", "_hp"):
+            old = getattr(self, name)[layer]
+            t = torch.zeros((old.shape[0], new, *old.shape[2:]), dtype=old.dtype, pin_memory=self._pin)
+            t[:, :have] = old
+            getattr(self, name)[layer] = t
 
-    def _block_slots(self, layer: int, h: int, b: int) -> list[int]:
-        a, e = b * self.block, min((b + 1) * self.block, self.count[layer][h])
-        return [x % self.M for x in range(a, e)]
-
-    def _box(self, layer: int, h: int, b: int, end: int) -> None:
-        """Tier 3's box and count of block ``b`` (entries up to ``end``) from the host originals."""
-        k, v, _ = self._host_rows(layer, h, b * self.block, min((b + 1) * self.block, end))
+    def _grow_boxes(self, layer: int, need: int) -> None:
         nb = self.lo[layer].shape[2]
-        if b >= nb:  # grow the box tensors (block ids are dense per head)
-            grow = b + 1 - nb
-            z = torch.zeros((self.B, self.H, grow, self.D), dtype=self.lo[layer].dtype, device=self.lo[layer].device)
-            self.lo[layer] = torch.cat([self.lo[layer], z], 2)
-            self.hi[layer] = torch.cat([self.hi[layer], z.clone()], 2)
-            self.log_count[layer] = torch.cat([self.log_count[layer], torch.full(
-                (1, self.H, grow), -math.inf, dtype=torch.float64, device=self.log_count[layer].device)], 2)
+        if need <= nb:
+            return
+        grow = -(-need // _BOX_STEP) * _BOX_STEP - nb  # allocated a step of blocks at a time
         dev = self.lo[layer].device
-        self.lo[layer][:, h, b] = k.amin(1).to(dev, self.lo[layer].dtype)
-        self.hi[layer][:, h, b] = k.amax(1).to(dev, self.hi[layer].dtype)
-        v64 = v.double().to(dev)
-        self.vlo[layer, :, h] = torch.minimum(self.vlo[layer, :, h], v64.amin(1))
-        self.vhi[layer, :, h] = torch.maximum(self.vhi[layer, :, h], v64.amax(1))
+        self.lo[layer] = torch.cat([self.lo[layer], torch.full((self.B, self.H, grow, self.D), math.inf,
+                                                               dtype=self.box_dtype, device=dev)], 2)
+        self.hi[layer] = torch.cat([self.hi[layer], torch.full((self.B, self.H, grow, self.D), -math.inf,
+                                                               dtype=self.box_dtype, device=dev)], 2)
+        self.log_count[layer] = torch.cat([self.log_count[layer], torch.full(
+            (1, self.H, grow), -math.inf, dtype=torch.float32, device=dev)], 2)
+
+    def _ring_entries(self, counts: Tensor) -> Tensor:
+        """``[H, M]`` the entry each ring slot holds for per-head ``counts`` (device; -1: none yet)."""
+        c = counts.to(self._slot.device).view(-1, 1)
+        slot = self._slot.view(1, -1)
+        ent = slot + self.M * torch.div(c - 1 - slot, self.M, rounding_mode="floor")
+        return torch.where(slot < c, ent, -1)
+
+    def _append(self, layer: int, hh: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Append the evicted tokens of ``layer`` (sorted by head, then position) to every head at once:
+        host copy, tier-3 boxes of the blocks pushed out of the ring, tier-2 codes, masks."""
+        H, M, blk, dev = self.H, self.M, self.block, self.k_codes.device
+        n = hh.numel()
+        hh_c = hh.cpu()
+        cn = torch.bincount(hh_c, minlength=H)
+        c_old = self._count[layer].clone()
+        c_new = c_old + cn
+        for h in range(H) if self.recall_tau is not None else ():  # a recalled block that grows: release it
+            b = int(c_old[h]) // blk
+            if cn[h] and int(c_old[h]) % blk and b in self._recalled[layer][h]:
+                self._release(layer, h, b)
+        start = torch.cumsum(cn, 0) - cn
+        e_c = c_old[hh_c] + torch.arange(n) - start[hh_c]  # the entry id of every row (host)
+        self._grow_host(layer, int(c_new.max()))
+        self._hk[layer][hh_c, e_c] = k.to("cpu", self._hk[layer].dtype)
+        self._hv[layer][hh_c, e_c] = v.to("cpu", self._hv[layer].dtype)
+        self._hp[layer][hh_c, e_c] = pos.to("cpu")
+        f_old = self._front[layer].clone()
+        f_new = torch.maximum(f_old, torch.where(c_new > M, -torch.div(M - c_new, blk, rounding_mode="floor"), 0))
+        e = e_c.to(dev)
+        f_row = f_new.to(dev)[hh]
+        if bool((f_new > f_old).any()):  # host tensors: no device read
+            self._grow_boxes(layer, int(f_new.max()))
+            self._push(layer, c_old, f_old, f_new, hh, e, f_row, k, v)
+        if int(cn.max()) > M:  # of a batch larger than the ring, only the last M of a head land in it
+            land = e >= c_new.to(dev)[hh] - M
+            hh, e, k, v, pos = hh[land], e[land], k[land], v[land], pos[land]
+        slot = e % M
+        kc, ks = self.kf.encode(k, self.gk)  # [n, B, W]
+        vc, vs = self.vf.encode(v, self.gv)
+        self.k_codes[layer][:, hh, slot] = kc.transpose(0, 1)
+        self.v_codes[layer][:, hh, slot] = vc.transpose(0, 1)
+        if ks is not None:
+            self.k_scale[layer][:, hh, slot] = ks.transpose(0, 1)
+        if vs is not None:
+            self.v_scale[layer][:, hh, slot] = vs.transpose(0, 1)
+        self.entry_pos[layer][hh, slot] = pos.to(self.entry_pos.dtype)
+        self._count[layer] = c_new
+        self._front[layer] = f_new
+        self.stats["dropped_blocks"] += int((f_new - f_old).sum())
+        self._refresh(layer)
+
+    def _push(self, layer: int, c_old: Tensor, f_old: Tensor, f_new: Tensor, hh: Tensor, e: Tensor, f_row: Tensor,
+              k: Tensor, v: Tensor) -> None:
+        """Tier-3 boxes of the blocks ``[f_old, f_new)`` of each head: their entries still in the ring
+        from the codes (``x^ -+ dx``, rounded outward), their entries of this batch from the originals."""
+        B, H, D, Dv, blk, dev = self.B, self.H, self.D, self.Dv, self.block, self.k_codes.device
+        nb = self.lo[layer].shape[2]
+        # the pushed blocks' entries still in the ring (host arithmetic: no device read)
+        nb_h = f_new - f_old
+        heads = torch.repeat_interleave(torch.arange(H), nb_h)  # one per pushed block
+        starts = torch.cumsum(nb_h, 0) - nb_h
+        bids = f_old[heads] + torch.arange(heads.numel()) - starts[heads]
+        hs = heads.repeat_interleave(blk)
+        ent = (bids * blk).repeat_interleave(blk) + torch.arange(blk).repeat(heads.numel())
+        old_rows = ent < c_old[hs]  # the batch's own rows come from the originals below
+        hs, ent = hs[old_rows], ent[old_rows]
+        rows_h, rows_b, klo, khi, vlo, vhi = [], [], [], [], [], []
+        if hs.numel():
+            hs, ms, eb_rows = hs.to(dev), (ent % self.M).to(dev), torch.div(ent, blk, rounding_mode="floor").to(dev)
+            ks = None if self.k_scale is None else self.k_scale[layer][:, hs, ms]
+            vs = None if self.v_scale is None else self.v_scale[layer][:, hs, ms]
+            kc, vc = self.k_codes[layer][:, hs, ms], self.v_codes[layer][:, hs, ms]  # [B, n, W]
+            kd = self.kf.decode(kc, ks, D, self.gk)
+            vd = self.vf.decode(vc, vs, Dv, self.gv)
+            dk = self.kf.error_bound(kc, ks, D, self.gk, decoded=kd)
+            dv = self.vf.error_bound(vc, vs, Dv, self.gv, decoded=vd)
+            down, up = torch.tensor(-math.inf, device=dev), torch.tensor(math.inf, device=dev)
+            klo.append(torch.nextafter(kd - dk, down))
+            khi.append(torch.nextafter(kd + dk, up))
+            vlo.append(torch.nextafter(vd - dv, down))
+            vhi.append(torch.nextafter(vd + dv, up))
+            rows_h.append(hs)
+            rows_b.append(eb_rows)
+        if bool((c_old < f_new * blk).any()):  # rows of this batch already beyond the ring (host test)
+            new = torch.div(e, blk, rounding_mode="floor") < f_row
+            k32, v32 = self._outward(k[new]), self._outward(v[new])
+            klo.append(k32[0].transpose(0, 1))
+            khi.append(k32[1].transpose(0, 1))
+            vlo.append(v32[0].transpose(0, 1))
+            vhi.append(v32[1].transpose(0, 1))
+            rows_h.append(hh[new])
+            rows_b.append(torch.div(e[new], blk, rounding_mode="floor"))
+        if not rows_h:
+            return
+        rh, rb = torch.cat(rows_h), torch.cat(rows_b)
+        idx = (rh * nb + rb).view(1, -1, 1)
+        for box, x, how in ((self.lo[layer], torch.cat(klo, 1), "amin"), (self.hi[layer], torch.cat(khi, 1), "amax")):
+            flat = box.view(B, H * nb, D)
+            flat.scatter_reduce_(1, idx.expand(B, -1, D), x.to(box.dtype), reduce=how)
+        hidx = rh.view(1, -1, 1).expand(B, -1, Dv)
+        self.vlo[layer].scatter_reduce_(1, hidx, torch.cat(vlo, 1), reduce="amin")
+        self.vhi[layer].scatter_reduce_(1, hidx, torch.cat(vhi, 1), reduce="amax")
         self.stats["box_bytes_peak"] = max(self.stats["box_bytes_peak"], sum(
             a.nbytes + z.nbytes + c.nbytes for a, z, c in zip(self.lo, self.hi, self.log_count)))
 
-    def _block_state(self, layer: int, h: int, blocks: list[int]) -> None:
-        """Make the device state of ``blocks`` say where each is: recalled (neither tier attends or
-        bounds it), tier 3 (counted), or tier 2 (its entries live)."""
-        for b in blocks:
-            n = min((b + 1) * self.block, self.count[layer][h]) - b * self.block
-            recalled = b in self._recalled[layer][h]
-            if b < self.frontier[layer][h]:
-                self.log_count[layer][0, h, b] = -math.inf if recalled else math.log(n)
-                slots = [s for s in self._block_slots(layer, h, b)
-                         if self._entry_at(layer, h, s) // self.block == b]
-                if slots:
-                    self.live[layer, h, slots] = False
-            else:
-                self.live[layer, h, self._block_slots(layer, h, b)] = not recalled
+    @staticmethod
+    def _outward(x: Tensor) -> tuple[Tensor, Tensor]:
+        """Float32 ``(lo, hi)`` with ``lo <= x <= hi`` (equal to ``x`` where float32 holds it exactly)."""
+        y = x.float()
+        if x.dtype.itemsize <= 4:
+            return y, y
+        xd = x.double()
+        inf = torch.tensor(math.inf, dtype=torch.float32, device=x.device)
+        lo = torch.where(y.double() > xd, torch.nextafter(y, -inf), y)
+        hi = torch.where(y.double() < xd, torch.nextafter(y, inf), y)
+        return lo, hi
 
-    def _entry_at(self, layer: int, h: int, slot: int) -> int:
-        """The newest entry that ring slot ``slot`` of ``(layer, h)`` holds (-1: none yet)."""
-        c = self.count[layer][h]
-        return -1 if slot >= c else slot + self.M * ((c - 1 - slot) // self.M)
+    def _refresh(self, layer: int) -> None:
+        """The device masks of ``layer`` from the counts, the frontier and the recall table: a ring
+        slot is live when it holds an entry of a block in tier 2 that is not recalled; a block below
+        the frontier counts in tier 3 unless recalled."""
+        dev, blk = self.k_codes.device, self.block
+        ent = self._ring_entries(self._count[layer])
+        eb = torch.div(ent, blk, rounding_mode="floor")
+        front = self._front[layer].to(dev).view(-1, 1)
+        rec = self.rec_block[layer]  # [H, R]
+        live = (ent >= 0) & (eb >= front)
+        if self.storage.recall_slots:
+            live &= ~(eb.unsqueeze(-1) == rec.unsqueeze(-2)).any(-1)
+        self.live[layer] = live
+        nb = self.lo[layer].shape[2]
+        if nb:
+            b = torch.arange(nb, device=dev).view(1, -1)
+            in3 = b < front
+            if self.storage.recall_slots:
+                in3 &= ~(b.unsqueeze(-1) == rec.unsqueeze(-2)).any(-1)
+            self.log_count[layer][0] = torch.where(in3, math.log(blk), -math.inf)
 
     def decoded(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Tier 2 of ``layer`` as stored: K ``[B, H, M, D]``, V, their error bounds (float32)."""
@@ -352,18 +487,12 @@ class CompressedTier(CacheObserver):
     def held(self, layer: int) -> Tensor:
         """``bool [H, end]`` (host): the positions ``layer`` attends now, per head: tier 1 (recall
         slots included) and the live tier-2 entries. Reads the device state (a check's tool)."""
-        end = self.cache.end
-        out = torch.zeros((self.H, end), dtype=torch.bool)
+        out = torch.zeros((self.H, self.cache.end), dtype=torch.bool)
         pos = self.storage.layer_positions(layer).cpu()
-        live = self.live[layer].cpu()
-        for h in range(self.H):
-            p = pos[h]
-            out[h, p[p >= 0]] = True
-            c = self.count[layer][h]
-            slots = live[h].nonzero().squeeze(1)
-            if slots.numel():
-                ent = slots + self.M * torch.div(c - 1 - slots, self.M, rounding_mode="floor")
-                out[h, self._host_rows(layer, h, 0, c)[2][ent]] = True
+        ent = torch.where(self.live[layer], self.entry_pos[layer].long(), -1).cpu()
+        for p in (pos, ent):
+            hh, jj = (p >= 0).nonzero(as_tuple=True)
+            out[hh, p[hh, jj]] = True
         return out
 
     # ------------------------------------------------------------------ reads
@@ -382,17 +511,29 @@ class CompressedTier(CacheObserver):
         if self.broken is not None:
             raise RuntimeError(f"this compressed tier cannot attend: {self.broken}")
         return [Segment(
-            n=self.M, positions=torch.where(self.live[layer], self.entry_pos[layer], -1), keys=self.k_codes[layer],
+            n=self.M, positions=torch.where(self.live[layer], self.entry_pos[layer].long(), -1), keys=self.k_codes[layer],
             values=self.v_codes[layer], features=(self.D, self.Dv), dtype=torch.promote_types(cache.dtype, torch.float32),
             k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
             k_scale=None if self.k_scale is None else self.k_scale[layer],
             v_scale=None if self.v_scale is None else self.v_scale[layer], slots=None, stable=False)]
 
     # ------------------------------------------------------------- certificate
+    def _due(self, layer: int) -> bool:
+        """Whether this step of ``layer`` is certified (the ``certify`` schedule)."""
+        start = self.cache.open_span[0]
+        seen, ordinal = self._span[layer]
+        if seen != start:
+            ordinal += 1
+            self._span[layer] = (start, ordinal)
+        c = self._certify
+        return c if isinstance(c, bool) else ordinal % c == 0
+
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
         if self.broken is not None:
             raise RuntimeError(f"this compressed tier cannot certify: {self.broken}")
-        if not self.certifies:
+        if not self._due(layer):
+            self.last[layer] = None
+            self.stats["uncertified_steps"] += 1
             return
         t0 = time.perf_counter()
         span = cache.open_span[0]
@@ -408,90 +549,59 @@ class CompressedTier(CacheObserver):
         self.last[layer] = cert
         self.stats["certify_seconds"] += time.perf_counter() - t0
 
-    def certificate(self, layer: int, q: Tensor, parts: bool = False) -> tuple[Certificate, dict | None]:
-        """The certificate of ``q`` (the open span's queries) over ``layer`` now: kept = tier 1
-        and the live tier-2 entries, evicted = tier 3 (see the module docstring). With ``parts``
-        also what the recall plan ranks by."""
+    def held_state(self, layer: int, q: Tensor) -> tuple[Tensor, TierHeld]:
+        """The certificate's inputs for queries ``q [B, T, Hq, D]``: the query rows ``[B, H, Q, D]``
+        and what ``layer`` holds (:class:`~.bound32.TierHeld`)."""
         st = self.storage
-        qh = self.query_rows(q)  # [B, H, Q, D]
-        B, H, Q, D = qh.shape
+        qh = self.query_rows(q)
         qpos = None
         if self.causal:
             qpos = self.cache.lifecycle.query_positions()
-            qpos = qpos.repeat(Q // qpos.numel())
-        b1 = position_bias(st.layer_positions(layer), qpos, torch.float64)  # [H, Q|1, S]
+            qpos = qpos.repeat(qh.shape[2] // qpos.numel())
+        hide1 = position_mask(st.layer_positions(layer), qpos)  # [H, Q|1, S1]
         k1, v1 = st.head_view("k", layer).transpose(0, 1), st.head_view("v", layer).transpose(0, 1)
         k2, v2, dk2, dv2 = self.decoded(layer)
-        b2 = torch.zeros((H, 1, self.M), dtype=torch.float64, device=qh.device).masked_fill_(
-            ~self.live[layer].unsqueeze(1), -math.inf)
-        Qb = max(b1.shape[1], 1)
-        bias = torch.cat([b1.expand(H, Qb, -1), b2.expand(H, Qb, -1)], -1)
-        dt = torch.promote_types(k1.dtype, k2.dtype)  # a float64 tier 1 stays float64
-        k = torch.cat([k1.to(dt), k2.to(dt)], -2)
-        v = torch.cat([v1.to(dt), v2.to(dt)], -2)
-        dk = torch.cat([torch.zeros_like(k1, dtype=dk2.dtype), dk2], -2)
-        dv = torch.cat([torch.zeros_like(v1, dtype=dv2.dtype), dv2], -2)
-        lo, hi, lc = self.lo[layer], self.hi[layer], self.log_count[layer]
-        vlo, vhi = self.vlo[layer], self.vhi[layer]
-        n_tok = self.cache.end
-        cert0 = certify(qh, k, v, bias, lo, hi, lc, vlo, vhi, scale=self.scale, n_tokens=n_tok, keep_contrib=parts)
-        delta = logit_slack(qh, dk, k, None, scale=self.scale)
-        eps = value_slack(dv, v, None)
-        kept = kept_quant_error(qh, k, v, bias, delta, eps, scale=self.scale)
-        q64 = qh.double()
-        valid = torch.isfinite(bias).any(-2).unsqueeze(-1)  # [H, S+M, 1]
-        kmax = torch.where(valid, k.double().abs(), 0.0).amax(-2)
-        if lo.shape[2]:
-            live = torch.isfinite(lc).unsqueeze(-1)
-            bmax = torch.where(live, torch.maximum(lo.double().abs(), hi.double().abs()), 0.0).amax(-2)
-            kmax = torch.maximum(kmax, bmax)
-        lz = cert0.log_zhat
-        a_q = self.scale * (q64.abs() @ kmax.unsqueeze(-1)).squeeze(-1) + torch.where(torch.isfinite(lz), lz.abs(), 0.0)
-        evicted_any = torch.isfinite(lc).any(-1, keepdim=True).expand_as(lz)
-        S = k.shape[-2]
-        n_terms = D + S + lc.shape[-1] + 8 * (S // 1024 + lc.shape[-1] // 256 + 2) + 16
-        zero_q = torch.zeros((B, H, Q), dtype=torch.float64, device=qh.device)
-        zero_v = torch.zeros((B, H, self.Dv), dtype=torch.float64, device=qh.device)
-        cert = widen(cert0, kept, zero_q, zero_v, a_q=a_q, n_terms=n_terms, n_tokens=n_tok, vlo=vlo, vhi=vhi,
-                     evicted_any=evicted_any)
-        if not parts:
-            return cert, None
-        S1 = k1.shape[-2]
-        # per tier-2 entry and query, its part of E (quant_bound step 3), |v^ - o^| bounded by max|v^| + max|o^|
-        s2 = (q64 @ k2.double().transpose(-1, -2)) * self.scale + b2.unsqueeze(0)
-        p2 = torch.exp(s2 - kept["lse_hat"].unsqueeze(-1)).nan_to_num(0.0)
-        d2 = delta[..., S1:]
-        up = torch.exp(d2 - kept["lam_lo"].unsqueeze(-1))
-        g = torch.maximum(up - 1.0, 1.0 - torch.exp(-d2 - kept["lam_hi"].unsqueeze(-1))).clamp(min=0.0)
-        vabs = v2.double().abs().amax(-1).unsqueeze(-2)  # [B, H, 1, M]
-        oabs = kept["out_hat"].abs().amax(-1, keepdim=True)  # [B, H, Q, 1]
-        c2 = p2 * (g * (vabs + oabs) + up * eps[..., S1:, :].amax(-1).unsqueeze(-2))
-        c3 = None
-        if cert0.block_log_contrib is not None and cert0.block_log_contrib.shape[-1]:
-            c3 = cert0.block_log_contrib.exp() * cert.gap.amax(-1, keepdim=True)
-        return cert, {"entry": c2.nan_to_num(0.0), "block3": c3}
+        return qh, TierHeld(k1=k1, v1=v1, hide1=hide1, k2=k2, v2=v2, live2=self.live[layer],
+                            dk2=self._per_group(self.kf, dk2, self.gk), dv2=self._per_group(self.vf, dv2, self.gv),
+                            lo=self.lo[layer], hi=self.hi[layer], logn=self.log_count[layer], vlo=self.vlo[layer],
+                            vhi=self.vhi[layer], wide=k1.dtype.itemsize > 4)
+
+    @staticmethod
+    def _per_group(codec, bound: Tensor, group: int) -> Tensor:
+        """An integer format's bound is one number per group of channels: keep one per group."""
+        if isinstance(codec, IntCodec) and group > 1:
+            return bound.reshape(*bound.shape[:-1], -1, group)[..., 0].contiguous()
+        return bound
+
+    def certificate(self, layer: int, q: Tensor, parts: bool = False) -> tuple[Certificate, dict | None]:
+        """The certificate of ``q`` (the open span's queries) over ``layer`` now: kept = tier 1
+        and the live tier-2 entries, evicted = tier 3 (:func:`~.bound32.certify_tier`). With
+        ``parts`` also what the recall plan ranks by."""
+        qh, held = self.held_state(layer, q)
+        cert, got = certify_tier(qh, held, scale=self.scale, top=self.top, ref=self._ref[layer], parts=parts)
+        self._ref[layer] = cert.out_kept.mean(-2, keepdim=True).float()
+        return cert, got
 
     # ------------------------------------------------------------------ recall
     def _plan(self, layer: int, cert: Certificate, parts: dict) -> bool:
         """Recall, for every head with a query over target, the shortest prefix of its blocks by
         estimated contribution that brings every query under target (as far as the free recall
-        slots allow; a *shortfall* otherwise). True if the kept set changed."""
+        slots allow; a *shortfall* otherwise). Ranked and chosen on the device; one host read.
+        True if the kept set changed."""
         self.stats["plans"] += 1
-        H, blk = self.H, self.block
+        H, blk, M = self.H, self.block, self.M
+        dev = self.k_codes.device
         err = cert.error.amax(-1)  # [B, H, Q]
-        target = (self.recall_tau * (self.vmax[layer] - self.vmin[layer]).clamp(min=0.0)).view(1, H, 1)
-        over = (err > target).any(dim=(0, 2))
-        if not bool(over.any()):  # the one host sync of a recall step
-            return False
-        counts = self.count[layer]
-        NB = max(-(-c // blk) for c in counts)
+        target = (self.recall_tau * (self.vmax[layer] - self.vmin[layer]).clamp(min=0.0)).double().view(1, H, 1)
+        over = (err > target).any(dim=(0, 2))  # [H]
+        counts = self._count[layer]
+        NB = max(1, -(-int(counts.max()) // blk))
         B, _, Q = err.shape
-        score = torch.zeros((B, H, Q, NB), dtype=torch.float64, device=err.device)
-        cnt = torch.tensor(counts, device=err.device).view(H, 1)
-        ent = self._slot.view(1, -1) + self.M * torch.div(cnt - 1 - self._slot.view(1, -1), self.M, rounding_mode="floor")
-        bid = torch.where(self.live[layer], ent // blk, 0).clamp(0, NB - 1)  # [H, M]
-        score.scatter_add_(-1, bid.view(1, H, 1, self.M).expand(B, H, Q, self.M),
-                           parts["entry"] * self.live[layer].view(1, H, 1, self.M))
+        score = torch.zeros((B, H, Q, NB), dtype=torch.float64, device=dev)
+        ent = self._ring_entries(counts)
+        bid = torch.where(self.live[layer], torch.div(ent, blk, rounding_mode="floor"), 0).clamp(0, NB - 1)  # [H, M]
+        score.scatter_add_(-1, bid.view(1, H, 1, M).expand(B, H, Q, M),
+                           parts["entry"].double() * self.live[layer].view(1, H, 1, M))
         if parts["block3"] is not None:
             n3 = min(parts["block3"].shape[-1], NB)
             score[..., :n3] += parts["block3"][..., :n3].nan_to_num(0.0)
@@ -499,21 +609,21 @@ class CompressedTier(CacheObserver):
         srt = score.gather(-1, order.view(1, H, 1, NB).expand(B, H, Q, NB))
         rem = err.unsqueeze(-1) - torch.cat([torch.zeros_like(srt[..., :1]), srt.cumsum(-1)], -1)
         ok = (rem <= target.unsqueeze(-1)).all(dim=2).all(dim=0)  # [H, NB + 1]
-        k_needed = torch.where(ok, torch.arange(NB + 1, device=ok.device), NB).amin(-1)
-        plan_k, order_h, over_h = k_needed.tolist(), order.tolist(), over.tolist()
+        k_needed = torch.where(ok, torch.arange(NB + 1, device=dev), NB).amin(-1)
+        k_needed = torch.where(over, k_needed.clamp(min=1), 0)
+        plan = torch.cat([k_needed.view(H, 1), order], 1).cpu()  # the one host read of the plan
         epoch = self.cache.open_span[0]
         changed = False
         for h in range(H):
-            if not over_h[h]:
+            kh = int(plan[h, 0])
+            if not kh:
                 continue
-            c = counts[h]
-            todo = [b for b in order_h[h][: max(1, plan_k[h])] if b * blk < c and b not in self._recalled[layer][h]]
+            c = int(counts[h])
+            todo = [b for b in plan[h, 1:kh + 1].tolist() if b * blk < c and b not in self._recalled[layer][h]]
             sizes = {b: min((b + 1) * blk, c) - b * blk for b in todo}
-            free = self._free[layer][h]
-            need = sum(sizes.values())
-            if need > len(free):  # release blocks recalled for earlier spans
+            if sum(sizes.values()) > len(self._free[layer][h]):  # release blocks recalled for earlier spans
                 for b in [b for b, (_, e) in self._recalled[layer][h].items() if e < epoch]:
-                    self._release(layer, h, b)
+                    self._release(layer, h, b, refresh=False)
                     changed = True
             taken, room = [], len(self._free[layer][h])
             for b in todo:
@@ -525,10 +635,12 @@ class CompressedTier(CacheObserver):
             for b in taken:
                 self._recall(layer, h, b, epoch)
                 changed = True
+        if changed:
+            self._refresh(layer)
         return changed
 
     def _recall(self, layer: int, h: int, b: int, epoch: int) -> None:
-        c = self.count[layer][h]
+        c = int(self._count[layer, h])
         k, v, pos = self._host_rows(layer, h, b * self.block, min((b + 1) * self.block, c))
         n = pos.numel()
         free = self._free[layer][h]
@@ -536,8 +648,8 @@ class CompressedTier(CacheObserver):
         dev = self.cache.device
         kd, vd = k.to(dev), v.to(dev)
         self.storage.write_recall(layer, h, slots, kd.transpose(0, 1), vd.transpose(0, 1), pos.to(dev))
+        self.rec_block[layer, h, slots] = b
         self._recalled[layer][h][b] = (slots, epoch)
-        self._block_state(layer, h, [b])
         nbytes = kd.nbytes + vd.nbytes
         self.stats["recalled_blocks"] += 1
         self.stats["recalled_tokens"] += n
@@ -545,10 +657,12 @@ class CompressedTier(CacheObserver):
         if self.stats["h2d_bytes_per_span"]:
             self.stats["h2d_bytes_per_span"][-1] += nbytes
 
-    def _release(self, layer: int, h: int, b: int) -> None:
+    def _release(self, layer: int, h: int, b: int, refresh: bool = True) -> None:
         slots, _ = self._recalled[layer][h].pop(b)
         self.storage.clear_recall(layer, h, slots)
+        self.rec_block[layer, h, slots] = -1
         free = self._free[layer][h]
         free.extend(slots)
         free.sort()
-        self._block_state(layer, h, [b])
+        if refresh:
+            self._refresh(layer)

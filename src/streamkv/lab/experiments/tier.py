@@ -14,6 +14,12 @@ tier-3 mass exceeds its mass bound. Tightness: certified / true L-inf error (the
 bound is a worst case over every rounding; the true rounding errors partly cancel) and, where
 tier 3 holds tokens, certified / true mass.
 
+``run_quarter``: the tier's cost. The full cache (a ring holding the stream), the ring and TOVA at a
+quarter of its device bytes, and the tier at the same quarter with a TOVA or a ring tier 1, each
+without certificates, certified, and certified with recall, all timed in one run (ms per chunk,
+the float64 checks excluded; ``ms_per_chunk_in_certificates`` the certificates' and recall
+plans' share).
+
 ``per_chunk_oracle`` (:class:`~streamkv.budget.oracles.PerChunkMass`): per key head and chunk,
 the ``memory`` tokens of the largest summed attention over the chunk's queries (every query head
 of the group), chosen on the float64 full history; sinks and the current chunk protected.
@@ -39,7 +45,9 @@ from streamkv.budget.oracles import PerChunkMass
 from streamkv.certify.tier import CompressedTier
 from streamkv.lab.kinds import kind_params
 
-__all__ = ["TierConfig", "tier_geometry", "run_tier", "per_chunk_oracle", "self_forcing_h2d", "SELF_FORCING"]
+__all__ = ["TierConfig", "tier_geometry", "run_tier", "run_quarter", "QUARTER_CONFIGS", "QUARTER_CONFIGS_TOY",
+           "per_chunk_oracle",
+           "self_forcing_h2d", "SELF_FORCING"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,21 @@ class TierConfig:
     fp_fraction: float = 0.5  # of the device bytes, for tier 1 (full precision)
     recall_fraction: float = 0.25  # of tier 1's slots, as recall slots
     block: int = 16
-    tau: float = 0.01  # recall until every query's certified L-inf error <= tau x the head's value range
+    tau: float | None = 0.01  # recall until every query's certified L-inf error <= tau x the value range (None: no recall)
     policy: str = "tova"
+    certify: bool = True  # False: the tiers attend, nothing is certified (no recall)
 
     def label(self) -> str:
-        return f"{self.fmt}, {round(100 * self.fp_fraction)}% full precision"
+        extra = "" if self.policy == "tova" else f", {self.policy} tier 1"
+        if not self.certify:
+            extra += ", no certificates"
+        elif not self.tau:
+            extra += ", no recall"
+        return f"{self.fmt}, {round(100 * self.fp_fraction)}% full precision{extra}"
+
+    @property
+    def recalls(self) -> bool:
+        return bool(self.tau) and self.certify
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -67,7 +85,8 @@ def _probe(stream, cfg: TierConfig, sink: int, window: int, recall: int, capacit
                     window=window, chunk=stream.chunk, num_layers=stream.layers, recall_slots=recall,
                     dtype=stream.k[0].dtype, device=stream.k[0].device, **kind_params(cfg.policy))
     tier = CompressedTier(cache, fmt=cfg.fmt, capacity=capacity, block=cfg.block,
-                          recall_tau=cfg.tau if recall else None, causal=stream.causal, scale=stream.scale)
+                          recall_tau=cfg.tau if recall else None, causal=stream.causal, scale=stream.scale,
+                          certify=cfg.certify)
     return cache, tier
 
 
@@ -80,11 +99,11 @@ def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> di
     B, _, H, D = stream.k[0].shape
     Dv, L, C = stream.v[0].shape[-1], stream.layers, stream.chunk
     per_slot = L * B * H * (D + Dv) * stream.k[0].element_size()
-    _, probe = _probe(stream, cfg, sink, 2 * C, cfg.block, cfg.block)
+    _, probe = _probe(stream, cfg, sink, 2 * C, cfg.block if cfg.recalls else 0, cfg.block)
     per_entry = L * H * probe.bytes_per_entry()
     fixed2 = probe.nbytes - per_entry * cfg.block  # the value boxes and ranges (independent of capacity)
     slots = int(cfg.fp_fraction * budget_bytes // per_slot)
-    recall = max(cfg.block, int(round(cfg.recall_fraction * slots / cfg.block)) * cfg.block) if cfg.tau else 0
+    recall = max(cfg.block, int(round(cfg.recall_fraction * slots / cfg.block)) * cfg.block) if cfg.recalls else 0
     window = slots - sink - recall
     if window < 2 * C:
         raise ValueError(f"budget {budget_bytes:.0f} B with fp_fraction {cfg.fp_fraction:g}: tier 1 holds {slots} slots, "
@@ -92,12 +111,11 @@ def tier_geometry(stream, cfg: TierConfig, budget_bytes: float, sink: int) -> di
     cache, _ = _probe(stream, cfg, sink, window, recall, cfg.block)
     used = cache.storage.nbytes + sum(t.nbytes for t in cache.policy.state().values())
     # tier 3 at its largest for this stream: every entry beyond the ring, a box (lo, hi) and a count per block
-    per_box = L * H * (2 * B * D * stream.k[0].element_size() + 8)
     left = budget_bytes - used - fixed2
     capacity = 0
     for cap in range(cfg.block, int(left // per_entry) // cfg.block * cfg.block + 1, cfg.block):
         boxes = -(-max(0, stream.tokens - cap) // cfg.block) + 1
-        if cap * per_entry + boxes * per_box <= left:
+        if cap * per_entry + probe.tier3_bytes(boxes) <= left:
             capacity = cap
     if not capacity:
         raise ValueError(f"budget {budget_bytes:.0f} B with fp_fraction {cfg.fp_fraction:g}: tier 1 takes {used} B, too "
@@ -135,6 +153,9 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
             t1 = time.perf_counter()
             outs[layer][:, sl] = out.double()
             cert = tier.last[layer]
+            if cert is None:  # an uncertified run: the output's error only
+                check_s += time.perf_counter() - t1
+                continue
             true = (_rows(fulls[layer][:, sl], H) - cert.out_kept).abs()
             viol += int((true > cert.error).sum())
             gap_out = max(gap_out, float((_rows(out.double(), H) - cert.out_kept).abs().max()))
@@ -151,7 +172,8 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
         cache.commit()
     seconds = time.perf_counter() - t0 - check_s
     errs, rels = zip(*(_errors(outs[i], fulls[i], vranges[i]) for i in range(stream.layers)))
-    te, tm = torch.cat(tight_e), torch.cat(tight_m)
+    te = torch.cat(tight_e) if tight_e else torch.zeros(0)
+    tm = torch.cat(tight_m) if tight_m else torch.zeros(0)
     policy_bytes = sum(t.nbytes for t in cache.policy.state().values())
     tier_bytes = tier.nbytes - sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in zip(tier.lo, tier.hi, tier.log_count))
     device = cache.storage.nbytes + policy_bytes + tier_bytes + tier.stats["box_bytes_peak"]
@@ -162,10 +184,10 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
         "tier1_kv_bytes": cache.storage.nbytes, "policy_state_bytes": policy_bytes,
         "tier2_bytes": tier_bytes, "tier3_box_bytes_peak": tier.stats["box_bytes_peak"],
         "host_bytes": tier.host_bytes, "geometry": geo, "config": cfg.as_dict(), "label": cfg.label(),
-        "ms_per_chunk": 1e3 * seconds / chunks,
-        "ms_per_chunk_without_certificate": 1e3 * (seconds - tier.stats["certify_seconds"]) / chunks,
-        "violations": viol + mass_viol, "error_violations": viol, "mass_violations": mass_viol,
-        "tightness_median": float(te.median()) if te.numel() else None,
+        "ms_per_chunk": 1e3 * seconds / chunks, "certified": cfg.certify,
+        "ms_per_chunk_in_certificates": 1e3 * tier.stats["certify_seconds"] / chunks,
+        "violations": (viol + mass_viol) if cfg.certify else None, "error_violations": viol, "mass_violations": mass_viol,
+        "tightness_median": float(te.median()) if te.numel() else None, "certified_steps": tier.stats["steps"],
         "tightness_p95": float(te.quantile(0.95)) if te.numel() else None,
         "mass_tightness_median": float(tm.median()) if tm.numel() else None,
         "output_vs_certified_output_max": gap_out,
@@ -226,3 +248,42 @@ def self_forcing_h2d(recalled_per_new_token: float) -> dict[str, float]:
     floor = 1e3 * 2 * s["params"] * tokens * s["passes"] / (s["peak_TFLOPs"] * 1e12)
     return {"h2d_bytes_per_chunk": h2d, "h2d_ms_per_chunk": ms, "compute_floor_ms_per_chunk": floor,
             "within_compute": ms <= floor}
+
+
+#: the compressed tier at a quarter of the full cache's bytes: a TOVA and a ring tier 1, each without
+#: certificates, certified without recall, and certified with recall (the cost of each part)
+QUARTER_CONFIGS = tuple(TierConfig("int8", 0.3, policy=pol, certify=cert, tau=tau)
+                        for pol in ("tova", "ring") for cert, tau in ((False, None), (True, None), (True, 0.01)))
+#: the toy model's 32 sink tokens and 32-token chunks need more of tier 1 (as in its sweep)
+QUARTER_CONFIGS_TOY = tuple(TierConfig("int8", 0.6, recall_fraction=0.15, policy=c.policy, certify=c.certify, tau=c.tau)
+                            for c in QUARTER_CONFIGS)
+
+
+def run_quarter(stream, *, sink: int, fulls: list[Tensor], vranges: list[Tensor], probs: list[Tensor],
+                configs: tuple[TierConfig, ...] = QUARTER_CONFIGS, say=None) -> dict[str, Any]:
+    """The full cache (a ring holding the whole stream), the ring and TOVA at a quarter of its
+    device bytes, and the compressed tier at the same quarter (``configs``), all timed in this run
+    (ms per chunk, the checks excluded): the tier's time against the full cache's."""
+    from .twotier import _run_cache, _token_bytes
+
+    say = say or (lambda _: None)
+    T = stream.tokens
+    per_token = _token_bytes(stream)
+    budget = T * per_token / 4
+    caches: dict[str, Any] = {}
+    say("quarter: full")
+    caches["full"] = _run_cache(stream, "ring", sink=sink, window=T - sink, fulls=fulls, vranges=vranges)
+    W = int(budget // per_token) - sink
+    for kind in ("ring", "tova"):
+        say(f"quarter: {kind}")
+        caches[kind] = _run_cache(stream, kind, sink=sink, window=W, fulls=fulls, vranges=vranges, **kind_params(kind))
+    for cfg in configs:
+        name = f"tier_{cfg.policy}_" + ("nocert" if not cfg.certify else "cert_recall" if cfg.tau else "cert")
+        say(f"quarter: {name}")
+        try:
+            caches[name] = run_tier(stream, cfg, budget, sink=sink, fulls=fulls, vranges=vranges, probs=probs)
+        except ValueError as exc:
+            caches[name] = {"label": cfg.label(), "config": cfg.as_dict(), "skipped": str(exc)}
+    full_ms = caches["full"]["ms_per_chunk"]
+    ratios = {f"{k}_ms_over_full": c["ms_per_chunk"] / full_ms for k, c in caches.items() if "ms_per_chunk" in c}
+    return {"budget_bytes": budget, "full_bytes": T * per_token, "caches": caches, "ratios": ratios}

@@ -267,11 +267,13 @@ def _oracle(stream: Stream, memory_tokens: float, fulls: list[Tensor], vranges: 
 
 
 def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
-                 progress: Callable[[str], None] | None = None, tiers: tuple[Any, ...] = ()) -> dict[str, Any]:
+                 progress: Callable[[str], None] | None = None, tiers: tuple[Any, ...] = (),
+                 quarter: tuple[Any, ...] = ()) -> dict[str, Any]:
     """Every cache on ``stream`` at the two-tier cache's device memory (see the module docstring);
     with ``tiers`` (:class:`~.tier.TierConfig`) also the compressed tier at each (``tier_sweep``;
     ``caches["compressed_tier"]``: the sweep's lowest mean error among runs with no violation)
-    and the per-chunk oracle."""
+    and the per-chunk oracle; with ``quarter`` (:class:`~.tier.TierConfig` s) also the full cache and
+    the compressed tier at a quarter of its bytes, timed (:func:`~.tier.run_quarter`)."""
     cfg = cfg or TwoTierConfig()
     fulls, vranges = zip(*(_full_attention(stream, layer) for layer in range(stream.layers)))
     fulls, vranges = list(fulls), list(vranges)
@@ -306,6 +308,12 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
             continue
         sweep.append(run_tier(stream, t, caches["two_tier"]["device_bytes"], sink=cfg.sink, fulls=fulls,
                               vranges=vranges, probs=probs))
+    quarter_result = None
+    if quarter:
+        from .tier import run_quarter
+
+        quarter_result = run_quarter(stream, sink=cfg.sink, fulls=fulls, vranges=vranges, probs=probs, configs=quarter,
+                                     say=say)
     ok = [r for r in sweep if r.get("violations") == 0]
     if ok:
         caches["compressed_tier"] = min(ok, key=lambda r: r["error_mean"])
@@ -331,7 +339,7 @@ def run_two_tier(stream: Stream, cfg: TwoTierConfig | None = None,
         ratios["compressed_tier_ms_over_ring"] = ct["ms_per_chunk"] / caches["ring"]["ms_per_chunk"]
     return {"info": stream.info, "config": cfg.as_dict(), "token_bytes": per_token,
             "matched_memory_tokens": memory, "caches": caches, "ratios": ratios,
-            "tier_sweep": [{k: v for k, v in r.items()} for r in sweep]}
+            "tier_sweep": [{k: v for k, v in r.items()} for r in sweep], "quarter": quarter_result}
 
 
 # -------------------------------------------------------------------- the command
@@ -367,7 +375,7 @@ def tier_configs() -> dict[str, tuple[Any, ...]]:
 def run_real(streams: dict[str, Callable[[], Stream]],
              configs: dict[str, tuple[TwoTierConfig, ...]] | None = None,
              progress: Callable[[str], None] | None = None,
-             tiers: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+             tiers: dict[str, tuple[Any, ...]] | None = None, quarter: bool = True) -> dict[str, Any]:
     """``streamkv certify --real``: every dataset of ``streams`` (name -> a builder) through
     :func:`run_two_tier` at each of its configurations (``configs[name]``, default
     :data:`DEFAULT_CONFIGS`). ``datasets[name]["caches"]`` is the first configuration's result;
@@ -380,22 +388,26 @@ def run_real(streams: dict[str, Callable[[], Stream]],
     with threads(1):  # the certifier's many small float64 ops: one thread (two contend on a loaded 2-core CPU)
         for name, build in streams.items():
             out["datasets"][name] = _run_dataset(name, build, configs[name], say,
-                                                 (tier_configs() if tiers is None else tiers).get(name, ()))
+                                                 (tier_configs() if tiers is None else tiers).get(name, ()), quarter)
     return out
 
 
 def _run_dataset(name: str, build: Callable[[], Stream], configs: tuple[TwoTierConfig, ...],
-                 say: Callable[[str], None], tiers: tuple[Any, ...] = ()) -> dict[str, Any]:
+                 say: Callable[[str], None], tiers: tuple[Any, ...] = (), quarter: bool = True) -> dict[str, Any]:
+    from .tier import QUARTER_CONFIGS, QUARTER_CONFIGS_TOY
+
+    quarter_cfgs = QUARTER_CONFIGS_TOY if name == "toy" else QUARTER_CONFIGS
+
     say(f"{name}: attention inputs")
     stream = build()
     sweep = []
     for i, cfg in enumerate(configs):
         sweep.append(run_two_tier(stream, cfg, progress=lambda c, i=i: say(f"{name} [{i + 1}/{len(configs)}]: {c}"),
-                                  tiers=tiers if i == 0 else ()))
+                                  tiers=tiers if i == 0 else (), quarter=quarter_cfgs if quarter and i == 0 else ()))
     first = sweep[0]
     return {"info": stream.info, "caches": first["caches"], "ratios": first["ratios"], "config": first["config"],
             "matched_memory_tokens": first["matched_memory_tokens"], "token_bytes": first["token_bytes"],
-            "sweep": sweep, "tier_sweep": first["tier_sweep"]}
+            "sweep": sweep, "tier_sweep": first["tier_sweep"], "quarter": first["quarter"]}
 
 
 def plot_real(result: dict[str, Any], path: str) -> None:

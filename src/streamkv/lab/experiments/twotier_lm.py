@@ -202,11 +202,10 @@ def _quarter_tier(build: Callable[..., Any], cfg: TwoTierLMConfig, budget: float
     probe = build("tova", slots, cfg.sink, tier={**opts, "capacity": cfg.tier_block})
     t = probe.tier
     per_entry = t.L * t.H * t.bytes_per_entry()
-    per_box = t.L * t.H * (2 * t.B * t.D * probe.kv.storage.keys.element_size() + 8)
     left = budget - probe.kv.nbytes - _policy_bytes(probe) - (t.nbytes - per_entry * cfg.tier_block)
     cap = cfg.tier_block
     for c in range(cfg.tier_block, int(left // per_entry) + 1, cfg.tier_block):
-        if c * per_entry + (-(-max(0, cfg.tokens - c) // cfg.tier_block) + 1) * per_box <= left:
+        if c * per_entry + t.tier3_bytes(-(-max(0, cfg.tokens - c) // cfg.tier_block) + 1) <= left:
             cap = c
     return build("tova", slots, cfg.sink, tier={**opts, "capacity": cap})
 

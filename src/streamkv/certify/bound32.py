@@ -1,0 +1,319 @@
+"""The compressed tier's certificate in float32: every ``O(history)`` step (logits, exponentials,
+the weighted sums) in float32 with a proven outward margin for its rounding; only per-query
+quantities (``O(Q x Dv)``) are finished in float64. No float64 pass over the history.
+
+It bounds, per query and value channel, ``|o - o_hat|``: ``o`` full-history attention over the
+*original* K/V (exact arithmetic), ``o_hat`` the certificate's own output (``out_kept``), an
+attention over what tiers 1 and 2 hold (tier 2 as decoded). For one query ``q`` of one head:
+
+- kept ``K`` = tier 1 (exact rows) and the live tier-2 entries (stored ``k^_j, v^_j``, original
+  ``k_j = k^_j + a_j``, ``v_j = v^_j + b_j``; ``a = b = 0`` on tier 1); held logits
+  ``s^_j = scale q . k^_j``, ``L^ = logsumexp_K s^``, ``p^_j = exp(s^_j - L^)``,
+  ``o^ = sum_K p^_j v^_j``; ``u_j = v^_j - o^``.
+- per entry the logit slack ``Delta_j = scale sum_i |q_i| dk_j,i >= |delta_j|``,
+  ``delta_j = s_j - s^_j = scale q . a_j`` (``dk``: the format's per-element bound, one number per
+  group of channels for the integer formats), and ``|b_j,c| <= dv_j,c``.
+- evicted ``D`` = tier 3: blocks with a box ``[lo_b, hi_b]`` of their *original* keys and a count
+  ``n_b``; the evicted values in ``[vlo, vhi]``.
+
+**The bound in exact arithmetic** (each step with its reason):
+
+1. ``lambda = L - L^`` (``L = logsumexp_K s``) equals ``log sum_K p^_j e^{delta_j}``, so
+   ``lambda <= Lam := log(1 + sum_K p^_j phi(Delta_j))`` (``phi(x) = e^x - 1``, monotone) and
+   ``lambda >= -Lam_lo := log sum_K p^_j e^{-Delta_j}``; ``Lam_lo <= sum p^_j Delta_j <= Lam``
+   (Jensen), so ``|lambda| <= Lam``.
+2. ``p_j = p^_j exp(delta_j - lambda)``; per channel ``c``, since ``sum p = sum p^ = 1`` and
+   ``sum_K p^_j u_j,c = 0``::
+
+       o_K,c - o^_c = sum_j (p_j - p^_j) u_j,c + sum_j p_j b_j,c
+                    = sum_j p^_j delta_j u_j,c + sum_j p^_j R(delta_j - lambda) u_j,c + sum_j p_j b_j,c
+
+   (``e^x - 1 = x + R(x)``; the ``-lambda sum_j p^_j u_j,c`` term is 0). With
+   ``|R(x)| <= x^2 / 2 e^{|x|}``, ``(delta_j - lambda)^2 / 2 <= Delta_j^2 + Lam^2`` and
+   ``p_j <= p^_j e^{Delta_j + Lam}``: ``|o_K,c - o^_c| <= E1_c`` with::
+
+       E1_c = sum_j p^_j Delta_j |u_j,c|                                          (first order)
+            + e^Lam sum_j p^_j (Delta_j^2 + Lam^2) e^{Delta_j} |u_j,c|             (remainder)
+            + e^Lam sum_j p^_j e^{Delta_j} dv_j,c                                  (the value slack)
+
+   The first-order term replaces :mod:`.quant_bound` step 3's ``g_j``, which charges each key slack
+   twice (``Delta_j`` and ``|lambda|``) where the slack is small. Where it is not (the remainder
+   grows like ``e^{2 Delta}``), step 3's own form holds too: ``|p_j - p^_j| <= p^_j g_j``,
+   ``g_j = max(e^{Delta_j + Lam_lo} - 1, 1 - e^{-Delta_j - Lam})``, so ``|o_K,c - o^_c| <= E0_c :=
+   sum_j p^_j g_j |u_j,c| + e^{Lam_lo} sum_j p^_j e^{Delta_j} dv_j,c``. And ``o_K,c`` is a mean of
+   original kept values: ``|o_K,c - o^_c| <= max_j |u_j,c| + max_j dv_j,c``. ``E_c`` = the least of
+   the three.
+3. ``|u_j,c|`` for every ``(query, entry, channel)`` would be ``O(Q x M x Dv)``; instead, for any
+   reference ``r_c``, ``|u_j,c| <= |v^_j,c - r_c| + |r_c - o^_c|``, one matrix product (``r``: the
+   last step's mean output, per head and channel), except for each head's ``top`` entries of
+   largest ``max_q p^_j Delta_j``, where the exact ``|v^_j,c - o^_c|`` is used.
+4. Tier 3 (:mod:`.bound` steps 1-3, boxes of the originals, so ``Delta_D = 0``):
+   ``s_j <= U_b = scale (q+ . hi_b - q- . lo_b)`` (``q+ = max(q, 0)``, ``q- = max(-q, 0)``: the
+   endpoint form of ``max(q_i lo_i, q_i hi_i)``, no centre/radius rounding), ``Z_D <= Z_hat =
+   sum_b n_b e^{U_b}``, ``L >= L^ - Lam_lo``, ``m <= m' = Z_hat / (e^{L^ - Lam_lo} + Z_hat)``.
+5. ``o - o_K = m (o_D - o_K)``, ``o_D,c`` in ``[vlo_c, vhi_c]``, ``o_K,c`` within ``E_c`` of ``o^_c``:
+   ``|o_c - o^_c| <= m' gap_c + E_c``, ``gap_c = max(vhi_c - o^_c, o^_c - vlo_c) + E_c``.
+
+**Rounding (float32, u = 2^-24)**. Assumptions, stated: every float32 ``+ - x /`` and every
+product or sum inside a matrix product obeys the standard model ``fl(x op y) = (x op y)(1 + t)``,
+``|t| <= u`` (round to nearest; the *order* of a sum is free: Higham's ``|fl(sum x_i) - sum x_i|
+<= gamma(n) sum |x_i|``, ``gamma(n) = n u / (1 - n u)``, holds for every order and with fused
+multiply-adds); float32 ``exp``, ``expm1`` and ``log`` are within ``4u`` relative of the exact
+value (libm, SLEEF and CUDA document 1-2 ulp); underflow costs at most ``2^-126`` absolute per
+term. Inputs wider than float32 (a float64 tier 1) are rounded once (relative ``u``, counted).
+Tiers 1 and 2 are read as one run of ``S`` rows.
+
+a. Logits ``s_hat_j = fl(q_s . k^_j)``, ``q_s = fl(scale q)``: ``|s_hat_j - s^_j| <= e_s :=
+   gamma(D + 3) A_q``, ``A_q >= sum_i |q_s,i| |k_j,i|`` for every row (``min(||q_s|| max_j ||k_j||,
+   sum_i |q_s,i| max_j |k_j,i|)``, rounded up), the ``+3``: the scaling and two input roundings.
+b. ``t = fl(s_hat - max)``, ``E = fl(exp t)``, ``S_hat = fl(sum E)``: each ``E_j = exp(s_hat_j -
+   max) e^{theta_j}``, ``|theta_j| <= zeta := 2.1 u A_q + 4.1 u``; ``S_hat`` within ``gamma(S) +
+   S 2^-126`` relative (the row maximum contributes ``E = 1`` exactly, so ``S_hat >= 1``).
+   Hence ``|L_hat - L^| <= e_L := e_s + zeta + 1.01 gamma(S) + S 2^-125 + 2^-40``.
+c. Normalised computed weights ``p~_j`` satisfy ``|log(p~_j / p^_j)| <= eta := 2 (e_s + zeta)``.
+   ``o_hat = r + fl(E @ (v - r)) / S_hat``: since ``sum p~ = sum p^ = 1``, ``o_hat_c - o^_c =
+   sum_j (p~_j - p^_j)(v_j,c - r_c)`` + the products' and the division's rounding, so
+   ``|o_hat_c - o^_c| <= eps_o,c := (e^eta - 1 + 2.2 gamma(S) + 2u) sum_j p^_j |v_j,c - r_c|``
+   (+ ``u |v|`` for a wide tier 1), the sum bounded from the computed one as in d.
+d. ``P_j = E_j / S_hat`` satisfies ``|log(P_j / p^_j)| <= eta2 := e_s + e_L + zeta + 4.1 u``.
+   ``Delta_hat`` is computed as a sum of non-negative terms times ``1 + 2 gamma(D + 6)`` (covering
+   ``q_s`` vs ``scale q``, the sum and the product), so ``Delta_hat >= Delta``; every slack sum is
+   a float32 sum of ``<= S`` products of non-negative factors, each computed factor at least its
+   exact value times ``1 - 8u``, so ``exact <= computed e^{eta2} / ((1 - 8u)(1 - gamma(S + 2)))``
+   plus ``S 2^-125 (1 + Delta_max)^2 e^{Delta_max}`` per unit weight (underflow). ``e^Delta - 1``
+   is summed with ``5u e^Delta`` added per term. The top replacement of step 3 subtracts sums:
+   its absolute rounding, at most ``(gamma(S) + 2 gamma(t) + 4u)`` times the relaxed sum, is
+   added. ``o^`` in ``|u_j,c|`` and the gap is replaced by ``o_hat +- eps_o``.
+e. Tier 3: ``U_hat`` is one float32 product of length ``2D`` (``[q_s+, q_s-] . [hi, -lo]``):
+   ``|U_hat_b - U_b| <= gamma(2D + 3) A3_q``; its log-sum-exp with ``log n_b`` errs as in b, plus
+   ``4u log n``. ``log m'`` is finished in float64 from ``log Z_hat + margin`` and
+   ``L_hat - e_L - Lam_lo`` (``x -> x - logaddexp(y, x)`` increases in ``x``, decreases in ``y``).
+
+The margin ``eps_o`` is about ``4 (D + 3) u A_q`` times the mean ``|v - r|``: ``~1e-4`` of it for
+``A_q ~ 30``, ``D = 64``; beside a quantisation slack it is small, but where the truth is at the
+float level (nothing evicted) it *is* the certificate. Scope: as :mod:`.quant_bound` (the step's
+inputs, finite stored values; a non-finite input gives the trivial mass bound and an infinite
+error bound).
+
+Why this long: it holds the proof of the float32 certificate and its rounding margin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .bound import Certificate
+
+__all__ = ["U32", "gamma32", "TierHeld", "certify_tier"]
+
+#: unit roundoff of float32 (round to nearest)
+U32 = 2.0**-24
+#: the relative accuracy assumed of float32 exp and log
+EXP_REL = 4.0 * U32
+_TINY = 2.0**-125  # underflow allowance per term (2^-126 absolute, doubled)
+_F64 = 2.0**-40  # float64 finishing (each op 2^-53 relative; a few hundred ops at most)
+
+
+def gamma32(n: float | Tensor):
+    """Higham's ``gamma(n) = n u / (1 - n u)`` for float32."""
+    return n * U32 / (1 - n * U32)
+
+
+@dataclass
+class TierHeld:
+    """What one layer of a compressed tier holds, as the certificate reads it.
+
+    ``k1 [B, H, S1, D]``, ``v1``: tier 1 (float32: exact, or rounded from a wider dtype: ``wide``);
+    ``hide1 [H, Q|1, S1]`` (True: not attended by that query). ``k2, v2 [B, H, M, D|Dv]``: tier 2
+    decoded (exact float32); ``live2 [H, M]``; ``dk2 [B, H, M, nk]`` / ``dv2 [B, H, M, nv]``: the
+    per-element error bounds, constant over groups of ``D / nk`` (``Dv / nv``) channels.
+    ``lo, hi [B, H, NB, D]`` (float32), ``logn [1|B, H, NB]`` (float32, ``-inf``: not in tier 3 now),
+    ``vlo, vhi [B, H, Dv]``: tier 3 (bounds of the originals)."""
+
+    k1: Tensor
+    v1: Tensor
+    hide1: Tensor
+    k2: Tensor
+    v2: Tensor
+    live2: Tensor
+    dk2: Tensor
+    dv2: Tensor
+    lo: Tensor
+    hi: Tensor
+    logn: Tensor
+    vlo: Tensor
+    vhi: Tensor
+    wide: bool = False
+
+
+def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref: Tensor | None = None,
+                 parts: bool = False) -> tuple[Certificate, dict | None]:
+    """The certificate of queries ``q [B, H, Q, D]`` over ``held`` (see the module docstring).
+    ``top``: entries per head whose ``|u_j,c|`` is taken exactly for every query (step 3: the
+    entries of largest ``max_q p^_j Delta_j``); ``ref [B, H, 1, Dv]``: step 3's reference (any
+    value is valid; default the mean of the rows' values: a caller passes the last step's mean
+    output). With ``parts`` also what recall ranks by:
+    ``entry [B, H, Q, M]`` (each tier-2 entry's part of ``E``, rounded) and ``block3 [B, H, Q, NB]``
+    (each tier-3 block's part of the mass bound times the largest gap). Device work only, no
+    host synchronisation; every ``O(history)`` tensor float32."""
+    B, H, Q, D = q.shape
+    f32, f64 = torch.float32, torch.float64
+    qs = q.to(f32) * scale  # q_s = fl(scale q)
+    S1, M = held.k1.shape[-2], held.k2.shape[-2]
+    Dv = held.v2.shape[-1]
+    nk, nv = held.dk2.shape[-1], held.dv2.shape[-1]
+    # tiers 1 and 2 as one run of rows (tier 1: no slack), a 0 / -inf bias per (query, row)
+    k = torch.cat([held.k1.to(f32), held.k2], -2)  # [B, H, S, D]
+    v = torch.cat([held.v1.to(f32), held.v2], -2)
+    dk = torch.cat([held.dk2.new_zeros((B, H, S1, nk)), held.dk2], -2)
+    dv = torch.cat([held.dv2.new_zeros((B, H, S1, nv)), held.dv2], -2)
+    hide = torch.cat([held.hide1, (~held.live2).unsqueeze(1).expand(H, held.hide1.shape[1], M)], -1)
+    bias = torch.zeros(hide.shape, dtype=f32, device=q.device).masked_fill_(hide, -math.inf)  # [H, Q|1, S]
+    S = S1 + M
+    roundup = 1.0 + 4.0 * gamma32(D + 4)  # a float32 norm (a sum of <= D + 2 non-negative terms), rounded up
+    # ---- magnitudes (rounding a): every row, held or not, bounds the held ones
+    knorm = (k * k).sum(-1).amax(-1).sqrt()  # [B, H]
+    qabs = qs.abs()
+    a_q = torch.minimum(qs.norm(dim=-1) * knorm.unsqueeze(-1),  # [B, H, Q] >= sum_i |q_s,i| |k_j,i| (Cauchy-Schwarz)
+                        (qabs @ k.abs().amax(-2).unsqueeze(-1)).squeeze(-1)).double() * roundup ** 3
+    e_s = gamma32(D + 3) * a_q
+    zeta = 2.1 * U32 * a_q + 4.1 * U32
+    # ---- the held attention (rounding b, c): L_hat and o_hat from one exp over the S rows
+    vlo_k, vhi_k = v.amin(-2).double(), v.amax(-2).double()  # [B, H, Dv]: over every row (a superset of the kept)
+    ref = v.mean(-2, keepdim=True) if ref is None else ref.to(f32)  # the reference r_c [B, H, 1, Dv] (any is valid)
+    vc = v - ref  # the rows centred on r (o_hat is computed as r + sum P (v - r): its rounding scales with |v - r|)
+    vdev = vc.abs()  # |v_j,c - r_c| [B, H, S, Dv]
+    s = qs @ k.transpose(-1, -2) + bias  # [B, H, Q, S]
+    mb = s.amax(-1, keepdim=True)
+    seen = torch.isfinite(mb)
+    e = torch.exp(s - torch.where(seen, mb, 0.0))
+    esum = e.sum(-1, keepdim=True)
+    m64, sum64 = mb.double(), esum.double()
+    lse = torch.where(seen, m64 + torch.log(sum64), -math.inf).squeeze(-1)  # [B, H, Q] float64
+    inv = torch.where(seen, 1.0 / sum64, 0.0)  # [B, H, Q, 1]
+    out = ref.double() + (e @ vc).double() * inv  # o_hat = r + sum_j P_j (v_j - r) [B, H, Q, Dv]
+    gn = gamma32(S)
+    e_l = e_s + zeta + 1.01 * gn + S * _TINY + _F64
+    eta = 2.0 * (e_s + zeta)
+    vmax = torch.maximum(vlo_k.abs(), vhi_k.abs())
+    eta2 = e_s + e_l + zeta + 4.1 * U32  # |log(P_j / p^_j)|, P_j = E_j / S_hat
+    odev = (ref.double() - out).abs()  # |r_c - o_hat_c| [B, H, Q, Dv]
+    up_d = 1.0 + 2.0 * gamma32(D + 6)
+    # ---- the slack weights (rounding d): P_j, Delta_hat_j >= Delta_j, e^{Delta_j}
+    p = e * inv.to(f32)
+    if nk == 1:  # Delta_j = scale ||q||_1 dk_j
+        delta = (qabs.sum(-1, keepdim=True) * up_d) * dk.transpose(-1, -2)  # [B, H, Q, S]
+    else:  # per group (or per element)
+        delta = (qabs.reshape(B, H, Q, nk, D // nk).sum(-1) @ dk.transpose(-1, -2)) * up_d
+    ed = torch.exp(delta)
+    w1 = p * delta
+    w3 = p * ed
+    w2 = w1 * delta * ed
+    dmax = delta.amax(-1).double()  # [B, H, Q]
+    w1sum, w2sum, w3sum = w1.sum(-1).double(), w2.sum(-1).double(), w3.sum(-1).double()
+    lsum = (p * (ed - 1.0)).sum(-1).double()  # sum P phi(Delta), each term within 5u e^Delta P (counted below)
+    # every slack sum: computed weights vs exact ones (e^eta2, 1 - 8u), the float32 sums (gamma(S)),
+    # underflow (S 2^-125 per unit weight)
+    kappa = torch.exp(eta2) / ((1.0 - 8.0 * U32) * (1.0 - gamma32(S + 2)))  # [B, H, Q]
+    kap = kappa.unsqueeze(-1)
+    under = S * _TINY * (1.0 + dmax) ** 2 * torch.exp(dmax)
+    g1 = 1.0 + gamma32(S + 2) + 4.0 * U32  # a float32 product of non-negative terms, rounded up
+    # Lam = log(1 + sum p^ phi(Delta)) (step 1; e^Delta - 1 errs by at most 5u e^Delta); Lam_lo
+    lam_b = torch.log1p((lsum + 5.0 * U32 * w3sum) * kappa + under) * (1.0 + _F64)
+    lam_lo = (eta2 + gamma32(S + 2) + 8.0 * U32 - torch.log((p / ed).sum(-1).double())).clamp(min=0.0)
+    lam_lo = torch.minimum(lam_lo, lam_b)  # both bound -lambda
+    # step 2's zeroth-order weights g_j = max(e^{Delta_j + Lam_lo} - 1, 1 - e^{-Delta_j - Lam})
+    g = torch.maximum(torch.expm1(delta + (lam_lo * (1 + 8 * U32)).to(f32).unsqueeze(-1)),
+                      -torch.expm1(-delta - (lam_b * (1 + 8 * U32)).to(f32).unsqueeze(-1)))
+    wg = p * g
+    wgsum = wg.sum(-1).double()
+    rr = (torch.cat([w1, w2, w3, wg], -2) @ vdev).double()  # sum_j w_j |v_j - r| [B, H, 4Q, Dv]
+    rel, rel2, rel3, relg = rr[..., :Q, :], rr[..., Q:2 * Q, :], rr[..., 2 * Q:3 * Q, :], rr[..., 3 * Q:, :]
+    # rounding c, centred: |o_hat - o^| <= (e^eta - 1 + 2.2 gamma(S) + 2u) sum_j p^_j |v_j - r| (+ u |v| wide)
+    mad = kap * rel3 * g1 + S * _TINY * 2.0 * vmax.unsqueeze(-2)  # >= sum_j p^_j |v_j - r| (e^Delta >= 1)
+    eps_o = mad * (torch.expm1(eta) + 2.2 * gn + 2.0 * U32).unsqueeze(-1) \
+        + (U32 * vmax.unsqueeze(-2) if held.wide else 0.0) + _F64 * (out.abs() + vmax.unsqueeze(-2))
+    vsl = ((w3 @ dv) if nv > 1 else (w3 * dv.transpose(-1, -2)).sum(-1, keepdim=True)).double()
+    vsl = vsl.repeat_interleave(Dv // nv, dim=-1)  # sum_j P_j e^{Delta_j} dv_j,c
+    # step 3: the relaxed sums, each head's top entries replaced by their exact deviation
+    t = min(top, S)
+    fix_w = (gamma32(S + 2) + 2.0 * gamma32(t + 2) + 4.0 * U32)
+    relax1 = rel + odev * w1sum.unsqueeze(-1)
+    relaxg = relg + odev * wgsum.unsqueeze(-1)
+    top1, topg = fix_w * relax1, fix_w * relaxg
+    if t:
+        idx = w1.amax(-2).topk(t, dim=-1).indices  # [B, H, t]: each head's heaviest entries
+        gidx = idx.unsqueeze(-1)
+        vt = torch.gather(v, 2, gidx.expand(B, H, t, Dv)).unsqueeze(2).double()  # [B, H, 1, t, Dv]
+        dt = torch.gather(vdev, 2, gidx.expand(B, H, t, Dv)).unsqueeze(2).double()
+        dev_t = (vt - out.unsqueeze(-2)).abs() - dt - odev.unsqueeze(-2)  # exact minus relaxed [B, H, Q, t, Dv]
+        qidx = idx.unsqueeze(2).expand(B, H, Q, t)
+        top1 = top1 + (torch.gather(w1, 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
+        topg = topg + (torch.gather(wg, 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
+    umax = torch.maximum(vhi_k.unsqueeze(-2) - out, out - vlo_k.unsqueeze(-2)).clamp(min=0.0) + eps_o  # >= |u_j,c|
+    dvmax = held.dv2.amax(dim=(-2, -1)).double().view(B, H, 1, 1)
+    tiny = under.unsqueeze(-1) * umax
+    el = torch.exp(lam_b).unsqueeze(-1)
+    first = kap * (relax1 + top1).clamp(min=0.0) + eps_o * (w1sum * kappa + under).unsqueeze(-1) + tiny
+    # e^Lam sum_j p^_j (Delta_j^2 + Lam^2) e^{Delta_j} |u_j,c|, |u_j,c| <= |v_j,c - r_c| + |r_c - o^_c|
+    a2 = kap * (rel2 + odev * w2sum.unsqueeze(-1)) * g1 + eps_o * (w2sum * kappa).unsqueeze(-1)
+    a3 = kap * (rel3 + odev * w3sum.unsqueeze(-1)) * g1 + eps_o * (w3sum * kappa).unsqueeze(-1)
+    second = el * (a2 + lam_b.square().unsqueeze(-1) * a3 + tiny)
+    value = el * (vsl * kap * g1 + under.unsqueeze(-1) * dvmax)  # e^Lam sum_j p^_j e^{Delta_j} dv_j,c
+    zero = kap * (relaxg + topg).clamp(min=0.0) + eps_o * (wgsum * kappa + under).unsqueeze(-1) + tiny \
+        + torch.exp(lam_lo).unsqueeze(-1) * (vsl * kap * g1 + under.unsqueeze(-1) * dvmax)
+    # o_K,c is a mean of original kept values, within [vlo - dv, vhi + dv]: the trivial bound
+    dvc = held.dv2.amax(-2).double().repeat_interleave(Dv // nv, dim=-1).unsqueeze(-2)  # [B, H, 1, Dv]
+    err_k = torch.minimum(torch.minimum(first + second + value, zero), umax + dvc) * (1.0 + _F64)
+    # ---- tier 3 (step 4, rounding e)
+    evicted_any = torch.zeros((B, H, Q), dtype=torch.bool, device=q.device)
+    log_z = torch.full((B, H, Q), -math.inf, dtype=f64, device=q.device)
+    block3 = None
+    NB = held.lo.shape[-2]
+    if NB:
+        live3 = torch.isfinite(held.logn)  # [1|B, H, NB]
+        on = live3.unsqueeze(-1)
+        lo = torch.where(on, held.lo.to(f32), 0.0)
+        hi = torch.where(on, held.hi.to(f32), 0.0)
+        q2 = torch.cat([qs.clamp(min=0.0), (-qs).clamp(min=0.0)], -1)  # [q_s+, q_s-]
+        u3 = q2 @ torch.cat([hi, -lo], -1).transpose(-1, -2)  # U_hat [B, H, Q, NB]
+        t3 = u3 + held.logn.to(f32).unsqueeze(-2)  # -inf where not in tier 3
+        x3 = t3.amax(-1, keepdim=True)
+        ok3 = torch.isfinite(x3)
+        x3s = torch.where(ok3, x3, 0.0)
+        lz = (x3s + torch.log(torch.exp(t3 - x3s).sum(-1, keepdim=True))).double().squeeze(-1)
+        bnorm = torch.maximum(lo.abs(), hi.abs()).square().sum(-1).amax(-1).sqrt()  # [B, H]
+        a3 = (qs.norm(dim=-1) * bnorm.unsqueeze(-1)).double() * roundup ** 3
+        lnmax = torch.where(live3, held.logn.to(f32), 0.0).amax(-1, keepdim=True).double()  # [1|B, H, 1]
+        e_z = gamma32(2 * D + 3) * a3 + 4.0 * U32 * (a3 + lnmax + 3.0) + 1.01 * gamma32(NB) + NB * _TINY \
+            + 10.0 * U32 * (math.log(NB) + 2.0) + 4.0 * U32 * lnmax
+        evicted_any = live3.any(-1, keepdim=True).expand(B, H, Q)  # from the counts, never from a computed bound
+        log_z = torch.where(evicted_any, lz + e_z, -math.inf)
+        if parts:
+            block3 = t3.double() - (lse - lam_lo).unsqueeze(-1)
+    # ---- step 5, finished in float64 (per query)
+    lse_lo = lse - e_l - lam_lo  # L >= L^ - Lam_lo
+    log_m = log_z - torch.logaddexp(lse_lo, log_z)
+    fin = lambda x: torch.where(torch.isfinite(x), x, 0.0).abs()
+    log_m = log_m + _F64 * (fin(log_z) + fin(lse_lo) + 1.0)
+    log_m = torch.where(torch.isnan(log_m), 0.0, log_m).clamp(max=0.0)
+    log_m = torch.where(evicted_any, log_m, -math.inf)
+    mass = (log_m.exp() * (1.0 + _F64)).clamp(max=1.0)
+    gap = torch.maximum(held.vhi.double().unsqueeze(-2) - out, out - held.vlo.double().unsqueeze(-2)) + eps_o + err_k
+    gap = torch.where(evicted_any.unsqueeze(-1), gap, 0.0)
+    gap = torch.where(torch.isnan(gap), math.inf, gap)
+    error = (mass.unsqueeze(-1) * gap + err_k + eps_o) * (1.0 + _F64)
+    error = torch.where(torch.isnan(error), math.inf, error)
+    cert = Certificate(log_mass=log_m, mass=mass, error=error, gap=gap, lse_kept=lse, out_kept=out, log_zhat=log_z,
+                       block_log_contrib=block3, out_error=eps_o, lse_error=e_l)
+    if not parts:
+        return cert, None
+    if w1 is None:
+        w1 = (e * (inv * cq.unsqueeze(-1)).to(f32)) * dk.transpose(-1, -2)
+    entry = (w1 * vdev.amax(-1).unsqueeze(-2) + e * inv.to(f32) * dv.amax(-1).unsqueeze(-2))[..., S1:]
+    c3 = None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True)
+    return cert, {"entry": entry, "block3": c3}
