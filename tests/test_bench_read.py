@@ -80,6 +80,19 @@ def test_a_compiled_read_equals_the_eager_one(name):
     assert torch.allclose(compiled.float(), eager.float(), atol=1e-2, rtol=0), float((compiled - eager).abs().max())
 
 
+@pytest.mark.parametrize("name", ["map:cache_relative", "format:int8", "tier:int4"])
+def test_one_query_reads_as_the_last_row_of_the_span(name):
+    """The default read (one query) is the span's last row: its rotation and masks follow it."""
+    from streamkv.lab.bench.reads import _last_rows
+
+    shape = get_shape("tiny-video")
+    v = build_variant(name, dict(read_variants(shape))[name], shape, 0)
+    whole = _reader(v, shape.causal)(v.q)
+    v.view = _last_rows(v.view, 1)
+    one = _reader(v, shape.causal)(v.q[:, -1:].contiguous())
+    assert torch.allclose(one.float(), whole[:, -1:].float(), atol=2e-2, rtol=0), float((one - whole[:, -1:]).abs().max())
+
+
 def test_own_code_gives_each_closure_its_own_code_object():
     fns = [lambda x, i=i: x + i for i in range(3)]
     own = [own_code(f, f"f{i}") for i, f in enumerate(fns)]

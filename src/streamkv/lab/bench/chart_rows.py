@@ -37,6 +37,8 @@ BUDGETS = ("tokens:1/2", "tokens:1/4", "bytes:1/2", "bytes:1/4")
 #: the compressed tier's share of its bytes in tier 1 (full precision), and its block
 TIER_FP_FRACTION = 0.3
 TIER_BLOCK = 16
+#: the mass budget's tau (the share of attention mass it may drop; as ``streamkv bench`` prices it)
+MASS_TAU = 0.05
 TIERS = ("tier", "tier+certificates")
 
 
@@ -170,7 +172,7 @@ def build_row_cache(row: Row, geo: Geometry, *, dtype: torch.dtype = torch.bfloa
     cap = caps["capacity"]
     shape = (1, cap, geo.heads, geo.head_dim)
     kind = "tova" if row.tier else ("ring" if row.cache == "full" else row.cache)
-    params = kind_params(kind)
+    params = kind_params(kind, tau=MASS_TAU)
     if policies()[kind].per_head:
         params["check_finite"] = False
     quant = None if row.fmt == "bf16" or row.tier else KVQuant(row.fmt, check_finite=False)

@@ -3,7 +3,8 @@ compressed tier and for pages, against the dense bf16 read of the same tokens.
 
 At each shape (:mod:`.shapes`: the self-forcing and lingbot-world layers at one head, SmolLM2's
 layer decoding one token), a ring full of the shape's tokens (steady state: it has wrapped) with
-the open span written, and that span's queries reading it (``attend``), eager and compiled
+the open span written, and one query of that span reading it (``attend``; ``queries=None``:
+every query of the span, a video chunk's denoising pass), eager and compiled
 (``torch.compile(fullgraph=True)`` of ``attend(q, cache.read(0))``). Variants (registries
 iterated, never listed):
 
@@ -89,15 +90,16 @@ def _rand(g: torch.Generator, shape: Shape, rows: int, heads: int) -> torch.Tens
 
 
 def _span(cache: KVCache, shape: Shape, g: torch.Generator, n: int, *, commit: bool, scored: bool) -> None:
-    """Begin a span of ``n`` tokens, write it (with its queries, and their attention where the
-    policy scores by attention), commit it if asked."""
+    """Begin a span of ``n`` tokens, write it (where the policy scores by attention, hand it
+    statistics of the shape attention gives: random, normalised, without attending), commit it if asked."""
     cache.begin_tokens(n)
     k, v = _rand(g, shape, n, shape.heads), _rand(g, shape, n, shape.heads)
+    cache.write(k, v, layer=0)
     if scored:
-        q = _rand(g, shape, n, shape.q_heads)
-        attend(q, cache.layer(0).update(k, v, q), causal=shape.causal)
-    else:
-        cache.write(k, v, layer=0)
+        st = cache.storage
+        ksum = torch.rand(st.heads, st.slots, generator=g, dtype=torch.float64)
+        ksum = ksum / ksum.sum(-1, keepdim=True) * n
+        cache.policy.receive(0, ksum / n, ksum)
     if commit:
         cache.commit()
 
@@ -243,15 +245,28 @@ def _reader(v: Variant, causal: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     return read
 
 
+def _last_rows(view: Callable[[Any], Any], n: int) -> Callable[[Any], Any]:
+    """``view`` read by the span's last ``n`` query rows (their positions: masks and rotations follow)."""
+    def sliced(read: Any) -> Any:
+        r = view(read)
+        return dataclasses.replace(r, query_positions=r.query_positions[-n:])
+
+    return sliced
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, backend: str = "inductor",
-                  seed: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every variant of :func:`read_variants` at ``shape``, in ``modes``; the shape's JSON record."""
+                  seed: int = 0, queries: int | None = 1,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every variant of :func:`read_variants` at ``shape``, in ``modes``, read by the span's last
+    ``queries`` rows (None: every row of the span); the shape's JSON record."""
     import torch._dynamo
+
+    nq = shape.span if queries is None else min(queries, shape.span)
 
     say = progress or (lambda msg: None)
     variants: dict[str, Variant] = {}
@@ -262,6 +277,8 @@ def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, b
     for i, (name, category) in enumerate(read_variants(shape)):
         say(f"read {shape.name}: building {name}")
         v = build_variant(name, category, shape, seed + i)
+        if nq < shape.span:
+            v.q, v.view = v.q[:, -nq:].contiguous(), _last_rows(v.view, nq)
         variants[name] = v
         row: dict[str, Any] = {"category": category, "tokens": v.tokens, "bytes": v.bytes, "note": v.note or None}
         eager_fn = _reader(v, causal)
@@ -314,7 +331,7 @@ def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, b
     variants.clear()
     gc.collect()
     torch._dynamo.reset()
-    out = {"shape": shape.to_dict(), "queries": shape.span, "variants": rows,
+    out = {"shape": shape.to_dict(), "queries": nq, "variants": rows,
            "timing": {**run.to_dict(), "repeats": repeats, "load_average_before": load_before,
                       "load_average_after": load_after, "threads": torch.get_num_threads()}}
     out["targets"] = evaluate_read_targets(shape, rows, modes)
@@ -351,12 +368,13 @@ def evaluate_read_targets(shape: Shape, rows: dict[str, dict[str, Any]], modes: 
 
 
 def measure_reads(shapes: Sequence[str | Shape], *, repeats: int = 5, modes: Sequence[str] = MODES,
-                  backend: str = "inductor", seed: int = 0,
+                  backend: str = "inductor", seed: int = 0, queries: int | None = 1,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The JSON key ``read``: every shape's record (:func:`measure_shape`), the targets and the load."""
     resolved = [get_shape(s) if isinstance(s, str) else s for s in shapes]
-    per = {s.name: measure_shape(s, repeats=repeats, modes=modes, backend=backend, seed=seed, progress=progress)
-           for s in resolved}
+    per = {s.name: measure_shape(s, repeats=repeats, modes=modes, backend=backend, seed=seed, queries=queries,
+                                 progress=progress) for s in resolved}
     return {"shapes": per, "modes": list(modes), "repeats": repeats, "compile_backend": backend,
+            "queries": "span" if queries is None else queries,
             "targets": [{"shape": n, **t} for n, rec in per.items() for t in rec["targets"]],
             "target_table": {k: {"target": t, "threshold": th} for k, (t, th) in READ_TARGETS.items()}}
