@@ -97,6 +97,10 @@ def test_chart_targets_follow_the_values():
     assert got[("scored_quarter", "h2o/bf16/tokens:1/4")]["met"] is False
     assert got[("cache_work", "tova/bf16/tokens:1/4")]["met"] is False
     assert got[("cache_work", "h2o/bf16/tokens:1/4")]["met"] is True
+    # a target of a shape the run did not include is listed, not measured
+    other = evaluate_chart_targets([{**r, "shape": "smollm2-decode"} for r in rows], ("h2o", "tova"))
+    work = [t for t in other if t["target"] == "cache_work"]
+    assert work and all(t["met"] is None and "no self-forcing shape" in t["why_not_measured"] for t in work)
     assert got[("tier_quarter", "tier/int8/bytes:1/4")]["why_not_measured"] == "ValueError: no room"
     assert got[("int8_ring_quarter", "ring/int8/tokens:1/4")]["why_not_measured"] == "not in this run"
     assert {name for name, *_ in CHART_TARGETS} == {t for t, _ in got}

@@ -112,6 +112,8 @@ REFUSED = [
     # chart: lists checked against the registries, options of what does not run refused
     ("chart --kinds ring,lru", "--kinds must be distinct names of full, ring"),
     ("chart --formats int3", "--formats must be distinct names of"),
+    ("chart --kinds ring,tova", "--kinds must include full: every time is given as a ratio to the full cache's"),
+    ("chart --formats int8,int4", "--formats must include bf16"),
     ("chart --budgets tokens:2", "--budgets: a budget is tokens:F or bytes:F with 0 < F < 1"),
     ("chart --modes eager --compile-backend eager", "--compile-backend: no compiled mode runs"),
     ("chart --shape smollm2-decode --frames 16", "--frames: the toy model's stream gives the video shapes' errors"),
@@ -147,7 +149,7 @@ VALID = [  # each reaches its work: the checks refuse nothing the commands can r
     "lm-eval --quick --kinds ring,mass --taus 0.1", "video-eval", "train-toy --frames 16",
     "rollout", "rollout --compare --tau 0.1", "rollout --cache mass --tau 0.1", "rollout --model diffusers-wan",
     "bench --read", "bench --read --read-shape tiny-decode --modes compiled --compile-backend eager", "chart",
-    "chart --shape tiny-video --kinds full,tova,tier --formats int8 --budgets bytes:1/3 --modes compiled",
+    "chart --shape tiny-video --kinds full,tova,tier --formats bf16,int8 --budgets bytes:1/3 --modes compiled",
 ]
 
 

@@ -31,7 +31,7 @@ CHART_TARGETS: tuple[tuple[str, str, str, str, float, tuple[str, ...], tuple[str
     ("tier_quarter_certified", "the compressed tier at 1/4 of the bytes with certificates <= 1.5x the full cache's",
      "tier+certificates/{fmt}/bytes:1/4", "ratio_to_full", 1.5, (), None),
     ("cache_work", "each scored kind's cache work per chunk (begin + writes + scores + commit, no attention) <= 1.5x "
-     "the ring's, at the self-forcing shape (bf16, 1/4 of the tokens)", "{kind}/bf16/tokens:1/4",
+     "the ring's, at the self-forcing shape (bf16, at each token budget)", "{kind}/bf16/{budget}",
      "cache_work_ratio_to_ring", 1.5, ("{scored}",), ("self-forcing",)),
 )
 
@@ -72,23 +72,25 @@ def evaluate_chart_targets(rows: list[dict[str, Any]], scored: tuple[str, ...]) 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     fmts = sorted({r["format"] for r in rows if r["cache"] == "tier"})
+    budgets = sorted({r["budget"] for r in rows if r["budget_kind"] == "tokens"}) or ["tokens:1/4"]
     out = []
     for name, text, pattern, value, threshold, kinds, where in CHART_TARGETS:
         kinds = scored if kinds == ("{scored}",) else kinds
-        keys = ([pattern.format(kind=k) for k in kinds] if "{kind}" in pattern else
+        keys = ([pattern.format(kind=k, budget=b) for k in kinds for b in budgets] if "{kind}" in pattern else
                 [pattern.format(fmt=f) for f in fmts] if "{fmt}" in pattern else [pattern])
-        for shape in shapes:
+        for shape in shapes + [w for w in where or () if w not in shapes]:
             if where is not None and shape not in where:
                 continue
             for mode in modes:
                 if value == "cache_work_ratio_to_ring" and mode != "eager":
-                    continue
+                    continue  # measured eagerly only (no attention to compile)
                 for key in keys:
                     r = by.get((shape, mode, key))
                     v = None if r is None else r[value]
                     why = None
                     if v is None:
-                        why = "not in this run" if r is None else (r["not_run"] or "not measured")
+                        why = (f"no {shape} shape in this run" if shape not in shapes else "not in this run"
+                               if r is None else (r["not_run"] or "not measured"))
                     out.append({"target": name, "text": text, "shape": shape, "mode": mode, "row": key, "value": v,
                                 "threshold": threshold, "met": None if v is None else v <= threshold,
                                 "why_not_measured": why})

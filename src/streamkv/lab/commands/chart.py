@@ -73,10 +73,16 @@ def _settings(args: argparse.Namespace) -> dict:
     bad = [k for k in caches if k not in chart_caches()]
     if bad or not caches or len(set(caches)) != len(caches):
         raise UsageError(f"--kinds must be distinct names of {', '.join(chart_caches())}, got {args.kinds!r}")
+    if "full" not in caches:
+        raise UsageError(f"--kinds must include full: every time is given as a ratio to the full cache's, got "
+                         f"{args.kinds!r}")
     formats = _list(args.formats, CHART_FORMATS)
     bad = [f for f in formats if f not in KV_FORMATS]
     if bad or not formats or len(set(formats)) != len(formats):
         raise UsageError(f"--formats must be distinct names of {', '.join(KV_FORMATS)} (bf16: dense), got "
+                         f"{args.formats!r}")
+    if "bf16" not in formats:
+        raise UsageError(f"--formats must include bf16: every time is given as a ratio to the full bf16 cache's, got "
                          f"{args.formats!r}")
     budgets = _list(args.budgets, BUDGETS)
     for b in budgets:
