@@ -76,7 +76,8 @@ def evaluate_chart_targets(rows: list[dict[str, Any]], scored: tuple[str, ...]) 
     out = []
     for name, text, pattern, value, threshold, kinds, where in CHART_TARGETS:
         kinds = scored if kinds == ("{scored}",) else kinds
-        keys = ([pattern.format(kind=k, budget=b) for k in kinds for b in budgets] if "{kind}" in pattern else
+        keys = ([pattern.format(kind=k, budget=b) for k in kinds for b in (budgets if "{budget}" in pattern else [""])]
+                if "{kind}" in pattern else
                 [pattern.format(fmt=f) for f in fmts] if "{fmt}" in pattern else [pattern])
         for shape in shapes + [w for w in where or () if w not in shapes]:
             if where is not None and shape not in where:
@@ -113,17 +114,18 @@ def print_chart(doc: dict[str, Any], console: Any) -> None:
                         f"{sh['capacity']:,} tokens); error: {rec['error_stream']} stream", title_justify="left")
         for col in ("row", "tokens", "bytes/full", *[f"{m} ms" for m in modes], *[f"{m} /full" for m in modes],
                     "work/ring", "syncs", "allocs", "rel err mean", "rel err p99"):
-            t.add_column(col, justify="left" if col == "row" else "right")
+            t.add_column(col, justify="left" if col == "row" else "right", no_wrap=True)
+        skipped: list[str] = []
         for key in rec["rows"]:
             rs = {r["mode"]: r for r in rows if r["key"] == key}
             first = rs[modes[0]]
             if first["not_run"] and all(rs[m]["ms_per_chunk"] is None for m in modes):
-                t.add_row(key, f"[dim]not run: {first['not_run'][:90]}[/]", *[""] * (2 * len(modes) + 6))
+                skipped.append(f"{key}: {first['not_run']}")
                 continue
             t.add_row(key, _f(first["tokens"], ",d") if first["tokens"] is not None else "-",
                       _f(first["bytes_ratio_to_full"]),
                       *[_f(rs[m]["ms_per_chunk"], ".3g") if rs[m]["ms_per_chunk"] is not None else
-                        f"[dim]{(rs[m]['not_run'] or '-')[:30]}[/]" for m in modes],
+                        "[dim]not run[/]" for m in modes],
                       *[_f(rs[m]["ratio_to_full"]) for m in modes], _f(first["cache_work_ratio_to_ring"]),
                       "/".join(_f(rs[m]["host_syncs_per_chunk"], "d") if rs[m]["host_syncs_per_chunk"] is not None
                                else "-" for m in modes),
@@ -137,6 +139,10 @@ def print_chart(doc: dict[str, Any], console: Any) -> None:
                      f"other processes used {'-' if load is None else f'{load:.0%}'} of the CPUs; load average "
                      f"{tm.get('load_average_before')} -> {tm.get('load_average_after')}, {tm['threads']} thread(s)")
         console.print(t)
+        skipped += [f"{r['key']} {r['mode']}: {r['not_run']}" for r in rows
+                    if r["ms_per_chunk"] is None and r["not_run"] and not any(x.startswith(r["key"] + ":") for x in skipped)]
+        for line in skipped:
+            console.print(f"  [dim]not run at {name}: {line}[/]")
     console.print("[b]targets[/] (verdicts computed from the measured ratios):")
     seen = set()
     for x in doc["targets"]:
@@ -186,6 +192,5 @@ def plot_chart(doc: dict[str, Any], path: str | Path) -> Path:
                 for f in dict.fromkeys(r["format"] for r in doc["rows"])]
     handles += [plt.Line2D([], [], marker="o", ls="", markerfacecolor="none", color="0.3", label="compiled (hollow)")]
     axes[0][-1].legend(handles=handles, loc="best", fontsize=6, framealpha=0.7)
-    fig.suptitle("time per chunk against error: every cache, format and budget (dotted: the full bf16 cache)",
-                 fontsize=10)
+    fig.suptitle("time per chunk against error\n(dotted: the full bf16 cache)", fontsize=9)
     return save(fig, path)

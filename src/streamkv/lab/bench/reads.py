@@ -23,13 +23,10 @@ iterated, never listed):
 ``paged``              the ring with ``pages=True``, forked, one chunk written on the branch (its
                        page table is no longer the identity): pages walked through the table
 
-Each variant's median time is divided by ``dense``'s in the same mode (compiled by compiled),
-the variants timed in interleaved rounds (:func:`~streamkv.lab.measure.time_interleaved`: the
-noise of a shared machine hits them alike); the machine's load is recorded (other processes'
-share of the CPUs during the timing, and the load average around it). Transient bytes: the peak
-of allocations above what was in use when the read began (the profiler's allocator events). A
-compiled variant also records its graphs, recompiles, graph breaks (``fullgraph``: a break is a
-failure, recorded with its reason) and its largest difference from the eager output. Targets:
+Ratios: each median over ``dense``'s in the same mode, timed in interleaved rounds
+(:func:`~streamkv.lab.measure.time_interleaved`), the machine's load recorded. Transient bytes:
+the peak allocation above the read's start (allocator events). Compiled variants record graphs,
+recompiles, breaks (a failure, with its reason) and their difference from eager. Targets:
 :data:`READ_TARGETS` (verdicts computed from the measured ratios).
 """
 
