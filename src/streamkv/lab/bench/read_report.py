@@ -32,11 +32,11 @@ def print_reads(read: dict[str, Any], console: Any) -> None:
         t = Table(title=f"[b]read at {name}[/]: {sh['capacity']:,} tokens x {sh['heads']} of {sh['model_heads']} "
                         f"kv heads x {sh['head_dim']} ({sh['q_heads']} query heads), {rec['queries']:,} queries, "
                         f"{sh['dtype']}; median of {tm['repeats']} interleaved rounds", title_justify="left")
-        t.add_column("variant", justify="left")
+        t.add_column("variant", justify="left", no_wrap=True)
         for m in modes:
             for col in ("ms", "/ dense", "transient"):
                 t.add_column(f"{m} {col}", justify="right")
-        t.add_column("target", justify="left")
+        t.add_column("target" + (f" ({'/'.join(modes)})" if len(modes) > 1 else ""), justify="left", no_wrap=True)
         targets = {(x["variant"], x["mode"]): x for x in rec["targets"]}
         for v, row in rec["variants"].items():
             cells = []
@@ -47,8 +47,8 @@ def print_reads(read: dict[str, Any], console: Any) -> None:
                     continue
                 cells += [_ms(r.get("ms")), _x(r.get("ratio_vs_dense")), fmt_bytes(r.get("transient_peak_bytes"))]
             tg = [targets[(v, m)] for m in modes if (v, m) in targets]
-            tcell = "" if not tg else f"<= {tg[0]['threshold']:g}x: " + ", ".join(
-                f"{x['mode']} {verdict(x['met'])}" for x in tg)
+            tcell = "" if not tg else f"<= {tg[0]['threshold']:g}x: " + "/".join(
+                "-" if x["met"] is None else ("met" if x["met"] else "NOT") for x in tg)
             t.add_row(v, *cells, tcell)
         load = tm.get("foreign_cpu_share")
         t.caption = (f"{sh['description']}. transient = peak allocation above the read's start. load: other "
