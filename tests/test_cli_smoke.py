@@ -65,6 +65,11 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     # the default kinds (no --kinds: window, ring and every scored kind; mass at each default tau)
     "lm-eval": ["lm-eval", "--tokens", "64", "--segment", "64", "--chunks", "16", "--memory", "36", "--decode", "0",
                 "--oracle-taus", "none", "--json", "{tmp}/lm_eval.json", "--plot", "{tmp}/lm_eval.png"],
+    # the tiny shapes (one video, one decode: both error streams), every cache (every scored kind of the
+    # registry, the tier with and without certificates), eager; after lm-eval: SmolLM2 is loaded already
+    "chart": ["chart", "--shape", "tiny-video", "--shape", "tiny-decode", "--formats", "bf16,int8", "--budgets",
+              "bytes:1/2", "--modes", "eager", "--repeats", "1", "--threads", "1", "--frames", "16", "--lm-tokens",
+              "32", "--lm-layers", "2", "--lm-chunk", "8", "--json", "{tmp}/chart.json", "--plot", "{tmp}/chart.png"],
 }
 
 #: what each run here writes: file -> the keys the README (and the command's --help) name; "a.b"
@@ -109,6 +114,13 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
                                  "caches[][].perplexity", "caches[][].attn_error_mean", "caches[][].attn_error_p99",
                                  "oracle", "targets", "config", "command", "wall_s", "versions"),
                 "lm_eval.png": ()},
+    "chart": {"chart.json": ("rows[].ms_per_chunk", "rows[].ratio_to_full", "rows[].bytes", "rows[].bytes_ratio_to_full",
+                             "rows[].tokens", "rows[].rel_error_mean", "rows[].error_mean", "rows[].host_syncs_per_chunk",
+                             "rows[].allocations_per_chunk", "rows[].allocator_events_per_chunk", "rows[].cache_work_ms",
+                             "rows[].cache_work_ratio_to_ring", "rows[].not_run", "targets[].value", "targets[].met",
+                             "targets[].threshold", "shapes[].timing.foreign_cpu_share",
+                             "shapes[].timing.load_average_before", "errors[].rows", "config.rows", "machine.wall_s"),
+              "chart.png": ()},
 }
 
 
@@ -214,6 +226,16 @@ def _check(command: str, doc: dict) -> None:
         v, m = doc["video"], doc["memory"]
         assert len(v["branches"]) == 2 and v["clip"]["frames"] == 10 and v["max_abs_diff_vs_unforked"] == 0
         assert m["preset"]["name"] == "small" and m["branches"] == 2
+    elif command == "chart":  # every cache ran at both shapes; 0 host syncs where the caches read nothing back
+        from streamkv.lab.bench.chart_rows import chart_caches
+
+        for shape in ("tiny-video", "tiny-decode"):
+            rows = {r["key"]: r for r in doc["rows"] if r["shape"] == shape}
+            assert {r["cache"] for r in rows.values()} == set(chart_caches())
+            assert all(r["ms_per_chunk"] > 0 and r["rel_error_mean"] > 0 for r in rows.values()), shape
+            assert rows["full/bf16/all"]["ratio_to_full"] == 1.0
+            assert all(r["host_syncs_per_chunk"] == 0 for r in rows.values() if not r["cache"].startswith("tier"))
+        assert all(t["met"] == (t["value"] <= t["threshold"]) for t in doc["targets"] if t["value"] is not None)
     elif command == "verify":
         assert doc["identical"]["ring"] == doc["comparisons"] > 0
 

@@ -35,3 +35,29 @@ def test_compiled_rotation_equals_the_eager_ops(style, monkeypatch):
     want = rot.rotate(x.float(), cos.unsqueeze(0), sin.unsqueeze(0)).to(torch.bfloat16)
     assert torch.equal(got, want)
     assert rotary._ROTATE.get(style) is not None
+
+
+def test_under_a_dispatch_mode_the_eager_ops_run(monkeypatch):
+    """A compiled kernel cannot run under a Python dispatch mode (an op counter such as the bench's,
+    a debug mode): a large decode or rotation raised there; the eager ops run instead, same values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(codecs, "COMPILE_MIN", 0)
+    monkeypatch.setattr(rotary, "COMPILE_MIN", 0)
+    codec = KV_FORMATS["int8"]
+    codes, scale = codec.encode(torch.randn(2, 37, 16), 16)
+    rot = Rope1D(16)
+    x = torch.randn(1, 3, 29, 16).to(torch.bfloat16)
+    delta = torch.arange(29).view(1, -1)
+    cos, sin = (t.unsqueeze(0) for t in rot.cos_sin(delta, delta, torch.float32))
+    want = (codec.decode_as(codes, scale, 16, 16, torch.bfloat16), rot.rotate_as(x, cos, sin))
+    with Count():
+        got = (codec.decode_as(codes, scale, 16, 16, torch.bfloat16), rot.rotate_as(x, cos, sin))
+    assert Count.ops > 0 and all(torch.equal(g, w) for g, w in zip(got, want))

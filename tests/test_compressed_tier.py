@@ -134,6 +134,25 @@ def test_read_is_attention_over_what_the_tiers_hold():
     assert tier.stats["dropped_blocks"] > 0 and tier.stats["recalled_blocks"] > 0
 
 
+
+def test_a_compiled_read_attends_tier_two():
+    """A read traced by torch.compile attends the tier's rows too (it once read tier 1 alone: the
+    traced read left the observers' segments out, silently)."""
+    q, k, v = _stream(seed=2)
+    cache, tier = _build(recall=0, tau=None)
+    _run(cache, tier, q[:, :-C], k[:, :-C], v[:, :-C], lambda a, b, out: None)
+    assert int(tier.live[0].sum()) > 0, "the stream must fill tier 2"
+    cache.begin_tokens(C)
+    a = q.shape[1] - C
+    cache.layer(0).update(k[:, a:], v[:, a:], q[:, a:])
+
+    def read(x):
+        return attend(x, cache.read(0), causal=True)[0]
+
+    eager = read(q[:, a:])
+    compiled = torch.compile(read, backend="eager", fullgraph=True)(q[:, a:])
+    assert torch.allclose(compiled, eager, atol=1e-6, rtol=0), float((compiled - eager).abs().max())
+
 def test_recall_bytes_are_the_copied_tokens():
     """h2d bytes = recalled tokens x (K + V bytes of one token of one head), and the per-span
     counts sum to the total; the host holds every evicted token once."""

@@ -21,6 +21,7 @@ WORK = [
     "streamkv.lab.experiments.diffusers_wan.run_diffusers_wan",
     "streamkv.lab.experiments.cp_compare.compare_context_parallel", "streamkv.lab.experiments.pareto.run_pareto",
     "streamkv.lab.budget.run_streaming_budget", "streamkv.lab.experiments.verify.run_verify",
+    "streamkv.lab.bench.reads.measure_reads", "streamkv.lab.experiments.chart_error.load_stream",
 ]
 
 
@@ -102,6 +103,27 @@ REFUSED = [
     ("budget --query-scale inf", "--query-scale must be a finite number >= 0"),
     ("rollout --device tpu", "--device must be cpu or cuda (cuda:N), got 'tpu'"),
     ("bench --device meta", "--device must be cpu or cuda (cuda:N), got 'meta'"),
+    # bench --read runs the read benchmark alone: the maintenance run's options did nothing
+    ("bench --read --preset small", "--preset: of the maintenance benchmark; --read runs the read benchmark alone"),
+    ("bench --read --no-scaling --scored", "--no-scaling, --scored: of the maintenance benchmark"),
+    ("bench --read --modes eager,fast", "--modes must be a comma-separated subset of eager, compiled"),
+    ("bench --modes eager", "--modes: options of --read"),
+    ("bench --read-shape tiny-video", "--read-shape: options of --read"),
+    ("bench --read-span", "--read-span: options of --read"),
+    # chart: lists checked against the registries, options of what does not run refused
+    ("chart --kinds ring,lru", "--kinds must be distinct names of full, ring"),
+    ("chart --formats int3", "--formats must be distinct names of"),
+    ("chart --kinds ring,tova", "--kinds must include full: every time is given as a ratio to the full cache's"),
+    ("chart --formats int8,int4", "--formats must include bf16"),
+    ("chart --budgets tokens:2", "--budgets: a budget is tokens:F or bytes:F with 0 < F < 1"),
+    ("chart --modes eager --compile-backend eager", "--compile-backend: no compiled mode runs"),
+    ("chart --shape smollm2-decode --frames 16", "--frames: the toy model's stream gives the video shapes' errors"),
+    ("chart --shape self-forcing --lm-tokens 64", "--lm-tokens: SmolLM2's stream gives the LM shapes' errors"),
+    ("chart --shape tiny-video --frames 7", "--frames must be a multiple of the toy model's 2-frame chunk"),
+    ("chart --shape tiny-decode --lm-layers 30", "--lm-layers must be distinct layers of SmolLM2's 30"),
+    ("chart --shape tiny-decode --lm-tokens 16 --lm-chunk 16", "--lm-tokens must hold two --lm-chunk spans"),
+    ("chart --layers 0", "--layers must be >= 1, got 0"),
+    ("chart --repeats 0", "--repeats must be >= 1, got 0"),
 ]
 
 
@@ -127,6 +149,9 @@ VALID = [  # each reaches its work: the checks refuse nothing the commands can r
     "certify --real", "certify --real --datasets video --video-frames 8 --seed 1",
     "lm-eval --quick --kinds ring,mass --taus 0.1", "video-eval", "train-toy --frames 16",
     "rollout", "rollout --compare --tau 0.1", "rollout --cache mass --tau 0.1", "rollout --model diffusers-wan",
+    "bench --read", "bench --read --read-span", "bench --read --read-shape tiny-decode --modes compiled --compile-backend eager",
+    "chart",
+    "chart --shape tiny-video --kinds full,tova,tier --formats bf16,int8 --budgets bytes:1/3 --modes compiled",
 ]
 
 

@@ -33,6 +33,7 @@ from fractions import Fraction
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch import Tensor
 
 __all__ = ["ANGLE_ERROR", "FrameRope", "Rope1D", "Rotary", "exact_angles", "limb_residues"]
@@ -149,9 +150,10 @@ class Rotary:
     def rotate_as(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """``x`` rotated by float tables (computed in their dtype), returned in ``x``'s dtype. On the
         CPU, blocks of at least :data:`COMPILE_MIN` elements go through one compiled kernel (a
-        single pass where the eager ops make six or more); the arithmetic is the same."""
+        single pass where the eager ops make six or more); the arithmetic is the same. Under a Python
+        dispatch mode (an op counter, a debug mode), where a compiled kernel cannot run, the eager ops do."""
         if (x.device.type == "cpu" and x.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
-                and x.dtype != cos.dtype):
+                and x.dtype != cos.dtype and _get_current_dispatch_mode() is None):
             fn = _compiled_rotate(self.style)
             if fn is not None:
                 return fn(x, cos, sin)

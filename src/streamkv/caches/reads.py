@@ -61,11 +61,11 @@ class Reads:
         return None
 
     def read(self, layer: int, occupancy: Occupancy) -> KVRead:
+        extra = bool(self._adds and self._adds())  # host state that changes only with the observers
         if torch.compiler.is_compiling():
             # a traced step must not read the host counters (each value would be a guard, and
             # a recompilation per chunk): only what stays the same from chunk to chunk
-            return self._make(layer, occupancy, traced=True)
-        extra = bool(self._adds and self._adds())
+            return self._make(layer, occupancy, traced=True, extra=extra)
         generation, memo = self._memo
         if generation != self.lifecycle.generation:
             memo = {}

@@ -29,7 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "the main job: a streaming rollout comparing the caches (table + plot)"),
     "verify": ("verify", "storage experiment: caches vs a whole-history reference on a layout grid"),
     "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
-    "bench": ("bench", "benchmark: cache maintenance, bytes moved, transient memory, scaling vs window"),
+    "bench": ("bench", "benchmark: cache maintenance, bytes moved, transient memory, scaling vs window; --read: "
+              "one read per format, position map, compressed tier and paged branch vs the dense read"),
+    "chart": ("chart", "attention + cache work per chunk for every cache, format and budget, eager and compiled, "
+              "against each row's error on a trained model's own Q/K/V (one plot, one JSON)"),
     "pareto": ("pareto", "mass budget vs fixed window: tau bound, Pareto, sink sweep, tail, falsifiers"),
     "certify": ("certify", "certified streaming attention: per-query bound on evicted mass and error, recall"),
     "budget": ("budget", "the streaming mass-budget cache vs window, H2O and the oracle: error vs memory, holdout"),
@@ -68,7 +71,7 @@ COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "np
           "frames": 1, "tokens": 1, "lm_chunk": 1, "video_frames": 1, "error_stride": 1, "offset": 0, "sink": 0,
           "long_clips": 1, "long_factor": 1, "position_factor": 1, "headline_repeats": 1, "positions": 0,
           "quant": 0, "forks": 0, "chunk": 1, "residual": 1, "cert_tokens": 1, "read_tokens": 1, "toy_frames": 1,
-          "segment": 2, "decode": 0, "position_clips": 0}
+          "segment": 2, "decode": 0, "position_clips": 0, "layers": 1, "lm_tokens": 2}
 #: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
 SEED_RANGE = (0, 2**32)
 #: options naming an output file, and options naming an output folder

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch import Tensor
 
 __all__ = ["Codec", "IntCodec", "Fp8Codec", "BF16Codec", "KV_FORMATS", "KVQuant", "as_quant", "hadamard",
@@ -101,8 +102,10 @@ class Codec:
         """:meth:`decode` taken in ``dtype`` (the float32 values rounded once). On the CPU, blocks of
         at least :data:`COMPILE_MIN` codes go through one compiled kernel (``torch.compile``: a
         single pass reads the codes and scales and writes ``dtype``, where the eager ops make four
-        or more passes); the values are the same, the kernel only fuses the passes."""
-        if codes.device.type == "cpu" and codes.numel() >= COMPILE_MIN and not torch.compiler.is_compiling():
+        or more passes); the values are the same, the kernel only fuses the passes. Under a Python
+        dispatch mode (an op counter, a debug mode), where a compiled kernel cannot run, the eager ops do."""
+        if (codes.device.type == "cpu" and codes.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
+                and _get_current_dispatch_mode() is None):
             fn = _compiled(self, dim, group, dtype)
             if fn is not None:
                 return fn(codes, scale)

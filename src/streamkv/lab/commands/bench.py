@@ -1,6 +1,11 @@
 """``streamkv bench``: cache maintenance, bytes moved, transient memory and scaling, plus
 the end-to-end chunk latency of the tiny-DiT rollout per cache (same weights and noise)
-and the share of it spent in cache maintenance (JSON key ``end_to_end``)."""
+and the share of it spent in cache maintenance (JSON key ``end_to_end``).
+
+``streamkv bench --read`` runs the read benchmark instead (JSON key ``read``,
+:mod:`streamkv.lab.bench.reads`): one read per storage format, position map, compressed tier
+and paged branch against the dense bf16 read, eager and compiled, at its own shapes
+(``--read-shape``); the maintenance sections' options are refused with it."""
 
 from __future__ import annotations
 
@@ -9,6 +14,15 @@ import argparse
 # kept here so --help needs no torch; the default run is the first four (the sglang shapes are asked for by name)
 _PRESETS = ("self-forcing", "self-forcing-sink", "lingbot", "small", "krea-realtime-14b", "longlive2", "lingbot-world")
 _DEFAULT_PRESETS = _PRESETS[:4]
+# the read's shapes (streamkv.lab.bench.shapes.SHAPES; kept here so --help needs no torch) and its defaults
+_SHAPES = ("self-forcing", "lingbot-world", "smollm2-decode", "smollm2-prefill", "tiny-video", "tiny-decode")
+_READ_SHAPES = ("self-forcing", "lingbot-world", "smollm2-decode")
+_MODES = ("eager", "compiled")
+_BACKENDS = ("inductor", "aot_eager", "eager")
+#: options of the maintenance run that --read refuses (it runs none of their sections)
+_MAINTENANCE_ONLY = ("preset", "scaling_repeats", "no_scaling", "write_kernels", "no_end_to_end", "no_counts",
+                     "no_compiled_counts", "scored")
+_READ_ONLY = ("read_shape", "read_span", "modes", "compile_backend")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="count eagerly only (skip compiling each cache's write with torch.compile)")
     p.add_argument("--scored", action="store_true",
                    help="also price the scored kinds' maintenance (mass, H2O, TOVA) against the ring, by phase")
+    p.add_argument("--read", action="store_true",
+                   help="run the read benchmark instead: one query reading every storage format, position map (RoPE "
+                        "at read), the compressed tier and a paged branch against the dense bf16 read, eager and "
+                        "compiled (JSON key read; --plot: its plot; --repeats: its rounds, default 5)")
+    p.add_argument("--read-shape", action="append", choices=_SHAPES, metavar="NAME",
+                   help=f"with --read, repeatable: {', '.join(_SHAPES)} (default: {', '.join(_READ_SHAPES)})")
+    p.add_argument("--read-span", action="store_true",
+                   help="with --read: read with every query of the shape's span (a video chunk's 4,680 queries: a "
+                        "denoising pass) instead of one")
+    p.add_argument("--modes", metavar="LIST",
+                   help="with --read: comma-separated of eager, compiled (default both)")
+    p.add_argument("--compile-backend", choices=_BACKENDS, metavar="NAME",
+                   help="with --read: torch.compile's backend, inductor (default), aot_eager or eager (quick checks)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -39,6 +66,20 @@ def check(args: argparse.Namespace) -> None:
     from streamkv.lab.errors import UsageError
 
     given = getattr(args, "_given", set())
+    if args.read:
+        wrong = [n for n in _MAINTENANCE_ONLY if n in given]
+        if wrong:
+            raise UsageError(f"{', '.join('--' + n.replace('_', '-') for n in wrong)}: of the maintenance benchmark; "
+                             f"--read runs the read benchmark alone (its shapes: --read-shape)")
+        if args.device != "cpu":
+            raise UsageError(f"--read --device {args.device}: the read benchmark runs on the CPU (its fused-kernel and "
+                             f"compiled paths are the CPU's); leave --device out")
+        parse_modes(args.modes)
+        return
+    wrong = [n for n in _READ_ONLY if n in given]
+    if wrong:
+        raise UsageError(f"{', '.join('--' + n.replace('_', '-') for n in wrong)}: options of --read; add --read or "
+                         f"leave them out")
     unused = []
     if args.no_scaling:
         unused += [f"--{n.replace('_', '-')}" for n in ("scaling_repeats", "plot") if n in given]
@@ -49,7 +90,23 @@ def check(args: argparse.Namespace) -> None:
                          f"plot; --no-counts: the counts, compiled or not); leave it out")
 
 
+def parse_modes(text: str | None) -> tuple[str, ...]:
+    """``--modes``: a comma-separated subset of eager, compiled (None: both); UsageError otherwise."""
+    from streamkv.lab.errors import UsageError
+
+    if text is None:
+        return _MODES
+    modes = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in modes if m not in _MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise UsageError(f"--modes must be a comma-separated subset of {', '.join(_MODES)} without repeats, "
+                         f"got {text!r}")
+    return tuple(m for m in _MODES if m in modes)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.read:
+        return _run_read(args)
     from streamkv.lab.bench import BenchOptions, plot_scaling, print_report, run_bench
     from streamkv.lab.commands._common import console as make_console
     from streamkv.lab.commands._common import write_json
@@ -84,8 +141,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_read(args: argparse.Namespace) -> int:
+    from streamkv.lab.bench.read_report import plot_reads, print_reads
+    from streamkv.lab.bench.reads import measure_reads
+    from streamkv.lab.bench.suite import SCHEMA
+    from streamkv.lab.commands._common import console as make_console
+    from streamkv.lab.commands._common import write_json
+    from streamkv.lab.env import environment, threads
+    from streamkv.lab.measure import check_device
+
+    console = make_console()
+    shapes = args.read_shape or list(_READ_SHAPES)
+    with threads(args.threads), console.status("read benchmark") as status:
+        env = environment(check_device("cpu"))
+        read = measure_reads(shapes, repeats=args.repeats or 5, modes=parse_modes(args.modes),
+                             backend=args.compile_backend or "inductor", queries=None if args.read_span else 1,
+                             progress=lambda msg: status.update(f"read benchmark: {msg}"))
+    doc = {"schema": SCHEMA, "versions": env, "argv": ["streamkv", "bench", *_argv(args)], "read": read}
+    print_reads(read, console)
+    if args.json:
+        write_json(args.json, doc)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        console.print(f"wrote {plot_reads(read, args.plot)}")
+    return 0
+
+
 def _argv(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
+    if args.read:
+        out.append("--read")
+        for s in args.read_shape or []:
+            out += ["--read-shape", s]
+        out += ["--read-span"] if args.read_span else []
+        for flag in ("modes", "compile_backend", "json", "plot", "repeats", "threads"):
+            v = getattr(args, flag)
+            if v is not None:
+                out += [f"--{flag.replace('_', '-')}", str(v)]
+        return out
     for p in args.preset or []:
         out += ["--preset", p]
     for flag in ("json", "plot", "device", "repeats", "scaling_repeats", "threads"):
