@@ -16,7 +16,7 @@ LAYERS = [
     {"scoring", "rotary", "positions", "rope_at_read", "blockread"},
     {"policies"},
     {"caches"},
-    {"attention", "rope", "distributed", "recache"},
+    {"attention", "rope", "distributed", "recache", "kernels"},
     {"certify", "models", "compat"},
     {"rollout"},
     {"integrations"},
