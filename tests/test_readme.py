@@ -139,7 +139,7 @@ def test_the_api_loop_runs_for_every_kind(kind):
 def command_lines(text: str) -> list[str]:
     """Every ``streamkv <subcommand> ...`` in backticks (a span may wrap over lines), except a
     synopsis with placeholders (``--layouts N --json PATH``)."""
-    from streamkv.lab.cli import SUBCOMMANDS
+    from streamkv_lab.cli import SUBCOMMANDS
 
     out = []
     prose = re.sub(r"^```.*?^```[ \t]*$", "", text, flags=re.S | re.M)  # fenced blocks are not spans
@@ -174,13 +174,13 @@ def test_every_command_line_shown_passes_the_checks(argv, tmp_path, monkeypatch,
     run() is replaced: the work itself is the smoke tests' and the experiments')."""
     import importlib
 
-    from streamkv.lab.cli import SUBCOMMANDS, main
+    from streamkv_lab.cli import SUBCOMMANDS, main
 
     def started(args):
         raise Started
 
     name = argv.split()[0]
-    monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{SUBCOMMANDS[name][0]}"), "run", started)
+    monkeypatch.setattr(importlib.import_module(f"streamkv_lab.commands.{SUBCOMMANDS[name][0]}"), "run", started)
     monkeypatch.chdir(tmp_path)  # the commands' output paths (out/...)
     with pytest.raises(Started):
         main(shlex.split(argv))
