@@ -8,7 +8,7 @@ how many boundaries it keeps (``history``), then a random sequence over the live
 - a chunk into one branch and its reference (an unpaged cache of the same configuration that never
   forked, fed the same history): the attention outputs (float64), the slots and the stored K/V must
   be equal;
-- ``fork(n)``, ``n`` up to 8 (each new branch's reference: a copy of its parent's reference, by
+- ``fork(n)``, ``n`` up to 8, and 8 at a case's first fork (each new branch's reference: a copy of its parent's reference, by
   state dict); ``rewind(c)`` to a kept boundary (the reference loads the state it had there);
   ``release()`` (its later calls refused); ``export_stream`` into a fresh paged cache through
   ``import_stream`` (its state must equal the branch's, and it replaces the branch from then on);
@@ -22,7 +22,7 @@ At the end every branch is released: the pool must have every page back (``leake
 still in use, plus reserved ones). Counted: ``cases``, ``steps``, ``forks``, ``rewinds``,
 ``releases``, ``exports``, ``rejected_calls``, ``state_changes_after_rejection``,
 ``bad_calls_accepted``, ``mismatches``, ``leaked_pages``, ``max_depth`` (generations of the deepest
-branch), ``max_fanout``; kinds, formats and maps drawn.
+branch), ``max_fanout``; kinds in turn (the registry's order), formats and maps drawn.
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ ERRORS = (TypeError, ValueError, RuntimeError)
 class _Case:
     """One random family: its configuration, its live branches and their references."""
 
-    def __init__(self, rng: random.Random, res: dict[str, Any]) -> None:
+    def __init__(self, rng: random.Random, res: dict[str, Any], index: int) -> None:
         self.rng, self.res = rng, res
-        self.kind = rng.choice(list(POLICIES))
+        self.kind = list(POLICIES)[index % len(POLICIES)]  # every kind in turn
         per_head = POLICIES[self.kind].per_head
         self.chunk = C = rng.randint(1, 3)
         self.sink = rng.randint(0, 2)
         self.window = (2 * C if per_head else C) + rng.randint(0, 5)
         self.H, self.D = rng.randint(1, 2), rng.choice([4, 8])  # whole bytes of codes in every format
-        self.quant = rng.choice([None, None, *KV_FORMATS])
-        self.map = rng.choice([None, None, *POSITION_MAPS]) if self.quant is None else None
+        axis = rng.choice(["plain", "format", "map"])  # a stored format or a position map, a third each
+        self.quant = rng.choice(list(KV_FORMATS)) if axis == "format" else None
+        self.map = rng.choice(list(POSITION_MAPS)) if axis == "map" else None
         self.history = rng.choice([0, 0, 1, 3])
         page = rng.choice([C, C, 1, C + 1, 2 * C])
         self.pages = {"page": page, "history": self.history, "spare": rng.choice([4, 64])}
@@ -74,6 +75,7 @@ class _Case:
         root = self.build(pages=self.pages)
         self.pool = root.storage.store.table.pool
         self.own = len(root.storage.store.table.host)  # pages of one cache
+        self.forks_here = 0  # forks made in this case
         # live branches: (branch, its reference, reference states at its kept boundaries, depth)
         self.live: list[list[Any]] = [[root, self.build(), {}, 0]]
         res["kinds"][self.kind] = res["kinds"].get(self.kind, 0) + 1
@@ -167,7 +169,8 @@ class _Case:
 
     def fork(self, i: int) -> None:
         branch, ref, _, depth = self.live[i]
-        n = self.rng.randint(1, 8)
+        n = self.rng.randint(1, 8) if self.forks_here else 8  # the widest fan-out once per case
+        self.forks_here += 1
         state = ref.state_dict()
         for b in branch.fork(n):
             r = self.build()
@@ -283,7 +286,7 @@ def fuzz_branches(cases: int = 20, steps: int = 40, seed: int = 0, *, progress=N
                            "mismatches": 0, "leaked_pages": 0, "max_depth": 0, "max_fanout": 0, "kinds": {},
                            "formats": {}, "maps": {}, "failures": []}
     for i in range(cases):
-        case = _Case(rng, res)
+        case = _Case(rng, res, i)
         res["cases"] += 1
         try:
             for _ in range(steps):
