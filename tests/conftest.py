@@ -20,3 +20,12 @@ def BlockKVCache() -> type:
     if cls is None:
         pytest.fail("flashdreams 0.1.0 is a test dependency (make test installs it with --no-deps)")
     return cls
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Each test module compiles from a clean dynamo cache: compiled code objects are shared
+    across modules (``attend``, a cache's step), so without this a module's compile counts, and
+    whether it meets dynamo's recompile limit, would depend on which modules ran before it."""
+    torch._dynamo.reset()
+    yield
