@@ -10,6 +10,7 @@ import random
 
 from streamkv.caches import CACHE_KINDS
 from streamkv_lab.experiments.positions_check import ROTARIES, MapLayout, run_map_layout
+from streamkv.policies import POLICIES
 from streamkv.positions import POSITION_MAPS
 
 __all__ = ["TOL", "draw_map_layout", "fuzz_maps"]
@@ -21,7 +22,7 @@ def draw_map_layout(rng: random.Random) -> MapLayout:
     name = rng.choice(list(POSITION_MAPS))
     kind = rng.choice(list(CACHE_KINDS))
     rotary = rng.choice(ROTARIES)
-    scored = kind not in ("ring", "chronological")
+    scored = POLICIES[kind].per_head  # per-head selection: holes in the slot map
     chunk = rng.randint(1, 4)
     tpu = 2 if rotary == "frame" else 1
     sink = tpu * rng.randint(0, 2)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from streamkv.attention import attend
 from streamkv.caches import CACHE_KINDS, KVCache
+from streamkv.policies import POLICIES
 from streamkv.positions import POSITION_MAPS, PositionMap, position_map, reference_rotation
 from streamkv.rope import Rope3D
 from streamkv.rope_at_read import RopeAtRead, units_capacity
@@ -172,7 +173,7 @@ def run_map_layout(lay: MapLayout, *, pmap_override: PositionMap | None = None, 
     D, Dv, H = 12, 5, lay.heads
     rot, tpu = _rotary(lay.rotary, D)
     cap = lay.sink + lay.window
-    per_head = CACHE_KINDS[lay.kind].kind not in ("ring", "chronological")
+    per_head = POLICIES[lay.kind].per_head
     sink_units, chunk_units = lay.sink // tpu, max(lay.chunk // tpu, 1)
     pmap = pmap_override or _map(lay, units_capacity(cap, per_head, tpu), sink_units, chunk_units)
     ref_map = reference_map or pmap
