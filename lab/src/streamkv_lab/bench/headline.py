@@ -28,8 +28,8 @@ _SHORT = {"current": "current\npath", "flashdreams": "flashdreams", "ring": "rin
           "chronological": "current\npath"}
 _COLORS = {"current": "tab:red", "flashdreams": "tab:orange", "ring": "tab:blue", "floor": "0.5",
            "chronological": "tab:red"}
-_NAMES = {"current": "current path (chronological)", "flashdreams": "flashdreams BlockKVCache",
-          "ring": "ring", "floor": "floor (copy_ of the chunk)", "chronological": "current path (chronological)"}
+_NAMES = {"current": "current path", "flashdreams": "flashdreams", "ring": "ring", "floor": "floor",
+          "chronological": "current path"}
 
 
 def measure_headline(*, preset: str = "self-forcing", device: str = "cpu", repeats: int = 8,
@@ -134,12 +134,13 @@ def print_headline(console: Any, headline: dict[str, Any], rollout: dict[str, An
             "-" if tr is None else f"{tr['maintenance_us_per_forward']:.0f}",
             "-" if tr is None else f"{tr['share']:.1%}",
         )
-    t.caption = (f"SF: median of {headline['repeats']} steady steps (each evicts), {headline['threads']} thread(s), "
-                 "interleaved; written = bytes written per step (the chunk, plus the roll's retained rows and clone "
-                 "temporaries); allocated = bytes allocated inside the step. tiny: cache maintenance per forward of the "
-                 "tiny DiT (all layers; begin and commit spread over the forwards), timed interleaved at its cache "
-                 "shapes (one thread), and as the rollout below measured it (each cache in its own run), with its "
-                 "share of a chunk")
+    t.caption = ("current path: the window rolled left (clone + shift); flashdreams: its BlockKVCache (the same roll); "
+                 f"floor: one copy_ of the chunk. SF: median of {headline['repeats']} steady steps (each evicts), "
+                 f"{headline['threads']} thread(s), interleaved; written = bytes written per step (the chunk, plus "
+                 "the roll's retained rows and clone temporaries); allocated = bytes allocated inside the step. tiny: "
+                 "cache maintenance per forward of the tiny DiT (all layers; begin and commit spread over the "
+                 "forwards), timed interleaved at its cache shapes (one thread), and as its rollout measured it (each "
+                 "cache in its own run), with its share of a chunk")
     console.print(t)
     r = headline["ratios"]
     fd = r.get("flashdreams_over_ring")
@@ -191,7 +192,8 @@ def draw_maintenance(axes: Any, headline: dict[str, Any]) -> None:
     ax.bar([i + 0.2 for i in x], a, width=0.4, label="allocated", color=[_COLORS[k] for k in keys], alpha=0.45,
            hatch="//")
     _bar_labels(ax, [i - 0.2 for i in x] + [i + 0.2 for i in x], w + a,
-                [fmt_bytes(rows[k]["written_bytes"]) for k in keys] + [fmt_bytes(rows[k]["transient_bytes"]) for k in keys])
+                [fmt_bytes(rows[k]["written_bytes"]) for k in keys]
+                + [fmt_bytes(rows[k]["transient_bytes"]) for k in keys])
     for t in ax.texts:
         t.set_fontsize(7)
     ax.set_xticks(x, names, fontsize=8)

@@ -32,8 +32,8 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 
     h = doc["headline"]["subjects"]
     ring = h["ring"]
-    rows = [["Self-Forcing layer: ms per step", f"ring {ring['ms']:.2f} ms", f"current path {h['current']['ms']:.2f} ms",
-             _x(h["current"]["ms"], ring["ms"])]]
+    rows = [["Self-Forcing layer: ms per step", f"ring {ring['ms']:.2f} ms",
+             f"current path {h['current']['ms']:.2f} ms", _x(h["current"]["ms"], ring["ms"])]]
     if "flashdreams" in h:
         rows.append(["", f"ring {ring['ms']:.2f} ms", f"flashdreams {h['flashdreams']['ms']:.2f} ms",
                      _x(h["flashdreams"]["ms"], ring["ms"])])
@@ -63,7 +63,8 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
         for other in ("tova", "ring"):
             if "error_mean" in tier and "error_mean" in c[other]:
                 rows.append([what, f"compressed tier {tier['error_mean']:.4f}",
-                             f"{_QNAMES[other]} {c[other]['error_mean']:.4f}", _x(c[other]["error_mean"], tier["error_mean"])])
+                             f"{_QNAMES[other]} {c[other]['error_mean']:.4f}",
+                             _x(c[other]["error_mean"], tier["error_mean"])])
                 what = ""
         if "violations" in tier and tier["violations"] is not None:
             rows.append(["compressed tier: certified bounds broken", f"{tier['violations']}", "", ""])
@@ -99,8 +100,9 @@ def print_quality(console: Any, q: dict[str, Any]) -> None:
         console.print(f"[bold]quality at a quarter of the memory[/]: skipped ({q['skipped']})")
         return
     d = q["dataset"]
-    t = Table(title=(f"[b]quality at a quarter of the memory[/]: SmolLM2-135M's own attention, {q['tokens']} tokens of "
-                     f"text, layers {d.get('layers')}, chunks of {q['chunk']}; error vs float64 full-history attention"),
+    t = Table(title=(f"[b]quality at a quarter of the memory[/]: SmolLM2-135M's own attention, {q['tokens']} tokens "
+                     f"of text, layers {d.get('layers')}, chunks of {q['chunk']}; error vs float64 full-history "
+                     "attention"),
               title_justify="left")
     for col in ("cache", "device KiB", "err mean", "err p99", "rel mean", "ms/chunk", "bound broken"):
         t.add_column(col, justify="left" if col == "cache" else "right")

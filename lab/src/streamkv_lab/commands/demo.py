@@ -33,7 +33,7 @@ LM_LAYERS = (2, 10, 20, 28)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out", help="output folder: demo.json, demo.png, fork.gif, fork.png (default out/)")
-    p.add_argument("--quick", action="store_true", help="the smallest sizes, a smoke run (seconds, not a measurement)")
+    p.add_argument("--quick", action="store_true", help="the smallest sizes: a smoke run, not a measurement")
     p.add_argument("--chunks", type=int, default=8, help="chunks of the tiny DiT's rollout (default 8; 4 with --quick)")
     p.add_argument("--headline-repeats", type=int, default=8,
                    help="timed steps per cache of the Self-Forcing layer (default 8; 2 with --quick)")
@@ -63,7 +63,8 @@ def check(args: argparse.Namespace) -> None:
     _resolve(args)
     horizon = get_config("tiny").max_chunks
     if not 1 <= args.chunks <= horizon:
-        raise UsageError(f"--chunks must be in [1, {horizon}] (the tiny model's RoPE horizon in chunks), got {args.chunks}")
+        raise UsageError(f"--chunks must be in [1, {horizon}] (the tiny model's RoPE horizon in chunks), got "
+                         f"{args.chunks}")
     if args.headline_repeats < 1:
         raise UsageError(f"--headline-repeats must be >= 1, got {args.headline_repeats}")
     if args.tokens < 128 or args.tokens % 16 or args.tokens > 8192:
@@ -108,7 +109,6 @@ def smollm2_stream(tokens: int, layers: tuple[int, ...] = LM_LAYERS):
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
     import time
     from pathlib import Path
 
@@ -165,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
             fork = fork_video(out, weights=args.weights or WEIGHTS, **fork_args,
                               progress=lambda m: progress.update(fk, description=f"fork: {m}"))
         progress.update(fk, description="fork: toy video branches", completed=1)
-    doc = {"argv": ["streamkv", "demo", *sys.argv[2:]] if sys.argv[1:2] == ["demo"] else ["streamkv", "demo"],
-           "quick": args.quick, "headline": headline, "rollout": rollout, "quality": quality, "fork": fork}
+    settings = {"quick": args.quick, "chunks": args.chunks, "headline_repeats": args.headline_repeats,
+                "tokens": args.tokens, "weights": args.weights, **{f"fork_{k}": v for k, v in fork_args.items()}}
+    doc = {"argv": ["streamkv", "demo"], "settings": settings, "headline": headline, "rollout": rollout, "quality": quality, "fork": fork}
     print_headline(console, headline, rollout)
     r = rollout
-    console.print(f"tiny DiT rollout ({r['chunks']} chunks, then a reset and {max(1, r['chunks'] // 2)}): ring vs current "
-                  f"path max |diff| {r['max_abs_diff']['ring']:.3g} / output scale {r['output_scale']:.3g}\n")
+    console.print(f"tiny DiT rollout ({r['chunks']} chunks, then a reset and {max(1, r['chunks'] // 2)}): ring vs "
+                  f"current path max |diff| {r['max_abs_diff']['ring']:.3g} / output scale {r['output_scale']:.3g}\n")
     print_quality(console, quality)
     console.print()
     print_video(console, fork)

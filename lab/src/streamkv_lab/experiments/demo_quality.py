@@ -80,5 +80,5 @@ def self_forcing_quarter_note(preset: dict[str, Any]) -> str | None:
     need = 2 * preset["chunk_frames"] + preset.get("sink_frames", 0)
     if quarter >= need:
         return None
-    return (f"why not at the Self-Forcing layer: a quarter of its {preset['window_frames']}-frame window is {quarter:g} "
-            f"frames, fewer than the two {preset['chunk_frames']}-frame chunks TOVA/H2O/SnapKV hold, so they refuse it")
+    return (f"why not at the Self-Forcing layer: a quarter of its {preset['window_frames']}-frame window is "
+            f"{quarter:g} frames, fewer than the two {preset['chunk_frames']}-frame chunks TOVA/H2O/SnapKV hold, so they refuse it")
