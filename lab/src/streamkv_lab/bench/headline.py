@@ -181,7 +181,7 @@ def draw_maintenance(axes: Any, headline: dict[str, Any]) -> None:
     ms = [rows[k]["ms"] for k in keys]
     ax.bar(range(len(keys)), ms, color=[_COLORS[k] for k in keys])
     ax.set_xticks(range(len(keys)), names, fontsize=8)
-    _bar_labels(ax, list(range(len(keys))), ms, [f"{v:.1f} ms" for v in ms])
+    _bar_labels(ax, list(range(len(keys))), ms, [f"{v:.3g} ms" for v in ms])
     ax.set_ylabel("ms per step")
     ax.set_title("Self-Forcing layer: time per step", fontsize=10)
     ax = axes[1]

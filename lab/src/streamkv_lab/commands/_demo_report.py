@@ -81,6 +81,7 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 
 def print_summary(console: Any, doc: dict[str, Any]) -> None:
     """The closing table: ``doc["table"]`` (written by the caller from :func:`summary_rows`)."""
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="[b]what streamkv buys, measured in this run[/] (ratio: the other cache's over streamkv's)",
@@ -88,16 +89,17 @@ def print_summary(console: Any, doc: dict[str, Any]) -> None:
     for col in TABLE_COLUMNS:
         t.add_column(col, justify="left" if col == "what" else "right", overflow="fold")
     for row in doc["table"]:
-        t.add_row(*row)
+        t.add_row(*map(escape, row))  # a cell is text: "[real]" in a pip line is not markup
     console.print(t)
 
 
 def print_quality(console: Any, q: dict[str, Any]) -> None:
     """The quality section's table (or the line saying why it was skipped)."""
+    from rich.markup import escape
     from rich.table import Table
 
     if "skipped" in q:
-        console.print(f"[bold]quality at a quarter of the memory[/]: skipped ({q['skipped']})")
+        console.print(f"[bold]quality at a quarter of the memory[/]: skipped ({escape(q['skipped'])})")
         return
     d = q["dataset"]
     t = Table(title=(f"[b]quality at a quarter of the memory[/]: SmolLM2-135M's own attention, {q['tokens']} tokens "
@@ -108,7 +110,7 @@ def print_quality(console: Any, q: dict[str, Any]) -> None:
         t.add_column(col, justify="left" if col == "cache" else "right")
     for name, c in q["caches"].items():
         if "skipped" in c:
-            t.add_row(_QNAMES[name], "-", "-", "-", "-", "-", f"not run: {c['skipped']}")
+            t.add_row(_QNAMES[name], "-", "-", "-", "-", "-", escape(f"not run: {c['skipped']}"))
             continue
         t.add_row(_QNAMES[name], f"{c['device_bytes'] / 1024:.0f}", f"{c['error_mean']:.4f}", f"{c['error_p99']:.4f}",
                   f"{c['rel_error_mean']:.4f}", f"{c['ms_per_chunk']:.1f}",
