@@ -41,7 +41,7 @@ class Elsewhere:
 #: command -> its smallest run here ("{tmp}": the test's folder, also the working directory), or
 #: the test that runs it elsewhere
 SMOKE: dict[str, list[str] | Elsewhere] = {
-    "demo": Elsewhere("test_rollout.py", "test_demo_writes_its_table_json_and_plot"),
+    "demo": Elsewhere("test_demo.py", "demo_run"),  # the module fixture its tests share
     "verify": ["verify", "--json", "{tmp}/verify.json"],  # no size option: the 96-layout grid and the map layouts
     "rollout": Elsewhere("test_rollout.py", "test_cli_rollout_compare_writes_the_parity_json"),
     "bench": Elsewhere("test_bench.py", "test_bench_small_runs_and_writes_well_formed_json"),

@@ -165,20 +165,3 @@ def test_cli_rollout_compare_writes_the_parity_json(tmp_path):
         assert data[kind]["peak_bytes"] > data[kind]["cache_bytes"] > 0
     assert data["max_abs_diff"]["ring"] <= 1e-5 * data["output_scale"]
     assert data["config"]["ring_wraps_first_stream"] >= 2
-
-
-def test_demo_writes_its_table_json_and_plot(tmp_path):
-    import json
-
-    from streamkv_lab.cli import main
-
-    assert main(["demo", "--out", str(tmp_path), "--chunks", "6", "--video-frames", "16"]) == 0
-    data = json.loads((tmp_path / "demo.json").read_text())
-    assert {"chronological", "ring", "mass"} <= set(data)
-    assert data["ring"]["retains_window"] and not data["mass"]["retains_window"]
-    assert data["max_abs_diff"]["ring"] <= 1e-5 * data["output_scale"]
-    assert (tmp_path / "demo.png").stat().st_size > 10_000
-    assert (tmp_path / "demo.gif").stat().st_size > 0 and (tmp_path / "demo_panel.gif").stat().st_size > 0
-    fork = json.loads((tmp_path / "fork.json").read_text())["video"]  # the fork section: exact branches
-    assert fork["max_abs_diff_vs_unforked"] == 0 and len(fork["branches"]) == 4
-    assert (tmp_path / "fork.gif").stat().st_size > 0

@@ -1,7 +1,7 @@
 """The trained toy video model: procedural data with exact ground truth, the training path
 (forward_sequence) equal to the streaming path, a few deterministic training steps, the
 committed weights against their stored rollout, prefill, attention statistics, and the
-evaluation and demo pipelines end to end on a short stream."""
+evaluation pipeline end to end on a short stream."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def test_committed_weights_reproduce_the_stored_rollout():
 
 
 def test_trained_ring_stream_equals_the_chronological_path_in_float64():
-    """The demo's ring and chronological streams differ by up to ~2e-3 in float32 after 30
+    """The toy's ring and chronological streams differ by up to ~2e-3 in float32 after 30
     generated frames (summation order, amplified through the feedback of generation); in
     float64 the same long, evicting stream agrees to rounding: the ring is exact."""
     from streamkv_lab.video.toy import stream
@@ -279,19 +279,6 @@ def test_video_eval_pipeline_on_a_short_stream(tmp_path):
     assert res["oracle_per_query_mass"] and res["attention_full_history"]["passes"]
     json.dumps(res)
     assert plot_eval(res, tmp_path / "e.png").stat().st_size > 0
-
-
-def test_video_demo_writes_gifs(tmp_path):
-    from PIL import Image
-
-    from streamkv_lab.video.demo import video_demo
-
-    res = video_demo(tmp_path, frames=8)
-    assert res["ring_vs_chronological_max_abs_diff"] <= 1e-5
-    for name in ("demo.gif", "demo_panel.gif"):
-        with Image.open(tmp_path / name) as im:
-            assert im.n_frames == 8
-    assert (tmp_path / "demo_panel.png").stat().st_size > 0
 
 
 def test_video_eval_streams_every_position_map_past_the_window():

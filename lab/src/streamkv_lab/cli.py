@@ -26,7 +26,7 @@ from streamkv_lab.errors import UsageError
 
 #: subcommand -> (module in streamkv_lab.commands, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "the main job: a streaming rollout comparing the caches (table + plot)"),
+    "demo": ("demo", "what streamkv buys, in one run: maintenance, quality at 1/4 memory, fork (table, JSON, figure)"),
     "verify": ("verify", "storage experiment: caches vs a whole-history reference on a layout grid"),
     "rollout": ("rollout", "streaming rollout of the causal DiT on one cache, or all of them compared"),
     "bench": ("bench", "benchmark: cache maintenance, bytes moved, transient memory, scaling vs window; --read: "

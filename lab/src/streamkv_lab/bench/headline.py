@@ -5,14 +5,13 @@ One attention layer at the ``self-forcing`` preset (Wan2.1-1.3B as Self-Forcing 
 buffer) per autoregressive step: the current path (clone + shift of the retained window),
 flashdreams' ``BlockKVCache`` (the same roll), the ring and the floor (a plain ``copy_`` of the
 chunk), timed interleaved, with the bytes each step writes (counted per aten op) and the memory
-it allocates (allocator events). Beside it, the tiny DiT's rollout (the demo's second table):
+it allocates (allocator events). Beside it, the tiny DiT (timed interleaved, and as its rollout measured it):
 a layer whose history is 96 tokens, where maintenance is a few microseconds either way.
 """
 
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,17 +20,22 @@ from streamkv_lab.bench.maintenance import measure_maintenance
 from streamkv_lab.bench.presets import PRESETS
 from streamkv_lab.bench.report import fmt_bytes
 
-__all__ = ["HEADLINE_SUBJECTS", "measure_headline", "print_headline", "plot_headline"]
+__all__ = ["HEADLINE_SUBJECTS", "FLOOR_NOTE", "measure_headline", "print_headline", "draw_maintenance",
+           "maintenance_title"]
 
 HEADLINE_SUBJECTS = ("current", "flashdreams", "ring", "floor")
 _SHORT = {"current": "current\npath", "flashdreams": "flashdreams", "ring": "ring", "floor": "floor",
           "chronological": "current\npath"}
-_NAMES = {"current": "current path (chronological)", "flashdreams": "flashdreams BlockKVCache",
-          "ring": "ring", "floor": "floor (copy_ of the chunk)", "chronological": "current path (chronological)"}
+_COLORS = {"current": "tab:red", "flashdreams": "tab:orange", "ring": "tab:blue", "floor": "0.5",
+           "chronological": "tab:red"}
+_NAMES = {"current": "current path", "flashdreams": "flashdreams", "ring": "ring", "floor": "floor",
+          "chronological": "current path"}
 
 
-def measure_headline(*, preset: str = "self-forcing", device: str = "cpu", repeats: int = 8) -> dict[str, Any]:
-    """Per-step time (median), bytes written and transient bytes of each subject at ``preset``."""
+def measure_headline(*, preset: str = "self-forcing", device: str = "cpu", repeats: int = 8,
+                     tiny_repeats: int = 200) -> dict[str, Any]:
+    """Per-step time (median), bytes written and transient bytes of each subject at ``preset``,
+    and the tiny DiT's maintenance (:func:`measure_tiny_layer`, ``tiny_repeats`` rounds)."""
     p = PRESETS[preset]
     r = measure_maintenance(p, device, repeats=repeats, warmup=1, warmup_s=0.1, transient_steps=1)
     rows = {}
@@ -49,7 +53,7 @@ def measure_headline(*, preset: str = "self-forcing", device: str = "cpu", repea
     ring = rows["ring"]["ms"]
     out = {
         "preset": p.to_dict(), "repeats": repeats, "threads": torch.get_num_threads(), "subjects": rows,
-        "tiny_layer": measure_tiny_layer(),
+        "tiny_layer": measure_tiny_layer(repeats=tiny_repeats),
         "ratios": {f"{k}_over_ring": (rows[k]["ms"] / ring if ring else None) for k in rows if k != "ring"},
         "notes": r.notes, "timing": r.timing.to_dict(),
     }
@@ -130,12 +134,13 @@ def print_headline(console: Any, headline: dict[str, Any], rollout: dict[str, An
             "-" if tr is None else f"{tr['maintenance_us_per_forward']:.0f}",
             "-" if tr is None else f"{tr['share']:.1%}",
         )
-    t.caption = (f"SF: median of {headline['repeats']} steady steps (each evicts), {headline['threads']} thread(s), "
-                 "interleaved; written = bytes written per step (the chunk, plus the roll's retained rows and clone "
-                 "temporaries); allocated = bytes allocated inside the step. tiny: cache maintenance per forward of the "
-                 "tiny DiT (all layers; begin and commit spread over the forwards), timed interleaved at its cache "
-                 "shapes (one thread), and as the rollout below measured it (each cache in its own run), with its "
-                 "share of a chunk")
+    t.caption = ("current path: the window rolled left (clone + shift); flashdreams: its BlockKVCache (the same roll); "
+                 f"floor: one copy_ of the chunk. SF: median of {headline['repeats']} steady steps (each evicts), "
+                 f"{headline['threads']} thread(s), interleaved; written = bytes written per step (the chunk, plus "
+                 "the roll's retained rows and clone temporaries); allocated = bytes allocated inside the step. tiny: "
+                 "cache maintenance per forward of the tiny DiT (all layers; begin and commit spread over the "
+                 "forwards), timed interleaved at its cache shapes (one thread), and as its rollout measured it (each "
+                 "cache in its own run), with its share of a chunk")
     console.print(t)
     r = headline["ratios"]
     fd = r.get("flashdreams_over_ring")
@@ -152,51 +157,64 @@ def print_headline(console: Any, headline: dict[str, Any], rollout: dict[str, An
         console.print(f"[dim]note: {n}[/]")
 
 
-def plot_headline(headline: dict[str, Any], rollout: dict[str, Any] | None, path: str | Path) -> Path:
-    """Three panels: the Self-Forcing layer's time and bytes per step, the tiny DiT's maintenance."""
-    from streamkv_lab.plotting import pyplot, save
+#: one line under the maintenance panels: what the subjects are
+FLOOR_NOTE = ("floor = one plain copy_ of the new chunk into a preallocated buffer: the least any cache must write per step; "
+              "current path = the window rolled left (clone + shift), as Self-Forcing and flashdreams' BlockKVCache do")
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+
+def _bar_labels(ax: Any, xs: list[float], values: list[float], texts: list[str]) -> None:
+    """A label on every bar, at its top (a 0 bar gets its label on the axis, so it is seen)."""
+    top = max(values) if values and max(values) > 0 else 1.0
+    for x, v, t in zip(xs, values, texts):
+        ax.annotate(t, (x, v), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.18)
+
+
+def draw_maintenance(axes: Any, headline: dict[str, Any]) -> None:
+    """Three panels on ``axes``: the Self-Forcing layer's time and bytes per step, the tiny DiT's
+    maintenance per forward (timed interleaved); linear axes from zero, every bar labelled with
+    its value (a 0-byte bar with "0 B")."""
     keys = list(headline["subjects"])
     names = [_SHORT[k] for k in keys]
-    colors = {"current": "tab:red", "flashdreams": "tab:orange", "ring": "tab:blue", "floor": "0.5",
-              "chronological": "tab:red"}
     rows = headline["subjects"]
     ax = axes[0]
-    ax.bar(names, [rows[k]["ms"] for k in keys], color=[colors[k] for k in keys])
-    ax.set_yscale("log")
-    ax.set_ylim(min(rows[k]["ms"] for k in keys) / 2, max(rows[k]["ms"] for k in keys) * 2)
-    ax.set_ylabel("ms per step (log)")
-    ax.set_title("Self-Forcing layer: time per AR step")
-    for i, k in enumerate(keys):
-        ax.annotate(f"{rows[k]['ms']:.1f}", (i, rows[k]["ms"]), ha="center", va="bottom", fontsize=8)
+    ms = [rows[k]["ms"] for k in keys]
+    ax.bar(range(len(keys)), ms, color=[_COLORS[k] for k in keys])
+    ax.set_xticks(range(len(keys)), names, fontsize=8)
+    _bar_labels(ax, list(range(len(keys))), ms, [f"{v:.3g} ms" for v in ms])
+    ax.set_ylabel("ms per step")
+    ax.set_title("Self-Forcing layer: time per step", fontsize=10)
     ax = axes[1]
-    x = range(len(keys))
+    x = list(range(len(keys)))
     w = [(rows[k]["written_bytes"] or 0) / 1e6 for k in keys]
     a = [(rows[k]["transient_bytes"] or 0) / 1e6 for k in keys]
-    ax.bar([i - 0.2 for i in x], w, width=0.4, label="written", color=[colors[k] for k in keys])
-    ax.bar([i + 0.2 for i in x], a, width=0.4, label="allocated", color=[colors[k] for k in keys], alpha=0.45,
+    ax.bar([i - 0.2 for i in x], w, width=0.4, label="written", color=[_COLORS[k] for k in keys])
+    ax.bar([i + 0.2 for i in x], a, width=0.4, label="allocated", color=[_COLORS[k] for k in keys], alpha=0.45,
            hatch="//")
-    ax.set_xticks(list(x), names)
+    _bar_labels(ax, [i - 0.2 for i in x] + [i + 0.2 for i in x], w + a,
+                [fmt_bytes(rows[k]["written_bytes"]) for k in keys]
+                + [fmt_bytes(rows[k]["transient_bytes"]) for k in keys])
+    for t in ax.texts:
+        t.set_fontsize(7)
+    ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("MB per step")
-    ax.set_title("Self-Forcing layer: bytes written / allocated per step")
-    ax.legend(fontsize=8)
+    ax.set_title("Self-Forcing layer: bytes written / allocated per step", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
     ax = axes[2]
     layer = headline.get("tiny_layer", {}).get("us_per_forward", {})
     if layer:
         tk = list(layer)
-        ax.bar([_SHORT[k] for k in tk], [layer[k] for k in tk], color=[colors[k] for k in tk])
-        share = _tiny_rows(rollout) if rollout else {}
-        for i, k in enumerate(tk):
-            sh = share.get("chronological" if k == "current" else k)
-            ax.annotate(f"{layer[k]:.0f} µs" + (f" ({sh['share']:.0%} of a chunk)" if sh else ""), (i, layer[k]),
-                        ha="center", va="bottom", fontsize=8)
+        vals = [layer[k] for k in tk]
+        ax.bar(range(len(tk)), vals, color=[_COLORS[k] for k in tk])
+        ax.set_xticks(range(len(tk)), [_SHORT[k] for k in tk], fontsize=8)
+        _bar_labels(ax, list(range(len(tk))), vals, [f"{v:.0f} µs" for v in vals])
     ax.set_ylabel("µs per forward (all layers)")
-    ax.set_title("tiny DiT (96 tokens of history): maintenance, interleaved")
-    p = headline["preset"]
-    fig.suptitle(f"what the ring is for: a {p['window_frames']}-frame window of {p['tokens_per_frame']:,}-token "
-                 f"frames moves {fmt_bytes(rows['current']['written_bytes'])} per step on the current path, the "
-                 f"chunk ({fmt_bytes(rows['ring']['written_bytes'])}) on the ring", fontsize=10)
-    fig.tight_layout()
-    return save(fig, path, dpi=110)
+    ax.set_title("tiny DiT (96-token history): maintenance per forward", fontsize=10)
+
+
+def maintenance_title(headline: dict[str, Any]) -> str:
+    """The figure's title line: the bytes each step writes on the current path and on the ring."""
+    p, rows = headline["preset"], headline["subjects"]
+    return (f"one Self-Forcing attention layer ({p['window_frames']}-frame window of {p['tokens_per_frame']:,}-token "
+            f"frames): the current path writes {fmt_bytes(rows['current']['written_bytes'])} per step, the ring the "
+            f"chunk ({fmt_bytes(rows['ring']['written_bytes'])})")

@@ -37,9 +37,11 @@ from streamkv_lab.experiments.fork_memory import page_report
 from streamkv.rollout import StreamingRollout
 
 from . import data
-from .demo import DEMO_SEED
 from .render import contact_sheet, tile_frames, write_gif
 from .toy import CONTEXT_FRAMES, PROMPT, SCHEDULE, WEIGHTS, load_model, training_horizon
+
+#: the data stream of the held-out clips the prefix comes from (training uses stream 0)
+DEMO_SEED = 31_337
 
 __all__ = ["fork_video"]
 
