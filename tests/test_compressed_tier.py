@@ -24,6 +24,7 @@ from streamkv.certify.bound import certify
 from streamkv.certify.quant_bound import kept_quant_error, logit_slack, value_slack, widen
 from streamkv.certify.tier import CompressedTier
 from streamkv.policies import POLICIES, example_policy
+from streamkv.stores import KV_FORMATS
 
 from kinds import SCORED
 
@@ -69,7 +70,7 @@ def _run(cache, tier, q, k, v, each):
 
 
 @pytest.mark.parametrize("kind", SCORED)
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", list(KV_FORMATS))
 def test_certificate_never_below_float64_truth(kind, fmt):
     q, k, v = _stream()
     cache, tier = _build(kind, fmt)

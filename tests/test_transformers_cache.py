@@ -29,7 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kinds import params
+from kinds import QUERY_SCORED, WINDOW, params
 from streamkv.integrations.transformers import KINDS, StreamKVCache, build_cache
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -145,7 +145,7 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("kind", ["ring", "chronological"])
+@pytest.mark.parametrize("kind", WINDOW)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_forward_loop_beyond_the_window_equals_float64_reference(arch, kind, schedule):
     """Logits and every layer's attention output (before o_proj), at every forward."""
@@ -195,13 +195,13 @@ def test_generate_beyond_the_window_equals_float64_reference(arch):
     assert max_diff(full.logits[:1], want.logits[:1]) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["mass", "h2o", "tova"])
+@pytest.mark.parametrize("kind", QUERY_SCORED)
 def test_scored_kinds_evict_per_head_inside_generate(kind):
     """Beyond the window the scored kinds take their statistics from the streamkv attention
     (a commit without them raises) and evict per (layer, key head); sinks stay pinned."""
     base = tiny("qwen2")
     ours = with_attention(base, "streamkv")
-    cache = build_cache(ours.config, kind, sink=2, window=16, chunk=4, **{"mass": {"tau": 0.05}}.get(kind, {}))
+    cache = build_cache(ours.config, kind, sink=2, window=16, chunk=4, **params(kind, **{"mass": {"tau": 0.05}}.get(kind, {})))
     prompt = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(6))
     out = ours.generate(prompt, cache=cache, max_new_tokens=30, prefill_chunk_size=4, **GEN)
     assert out.sequences.shape == (1, 42) and all(bool(torch.isfinite(x).all()) for x in out.logits)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_same_state, snapshot
+from kinds import params as example
 from test_transformers_cache import GEN, tiny, with_attention
 from transformers import DynamicCache
 
@@ -35,9 +36,9 @@ def max_diff(a, b) -> float:
 
 
 def two_tier(config, kind, *, tau=TAU, recall_slots=64, on_attention=None, **sizes):
-    params = {"mass": {"tau": 0.05}}.get(kind, {})
     return build_cache(config, kind, recall_slots=recall_slots, on_attention=on_attention,
-                       certify={"recall_tau": tau, "sketch_bits": 8, "block_tokens": 4}, **sizes, **params)
+                       certify={"recall_tau": tau, "sketch_bits": 8, "block_tokens": 4}, **sizes,
+                       **example(kind, **{"mass": {"tau": 0.05}}.get(kind, {})))
 
 
 def forward_loop(model, cache, ids, spans) -> list[torch.Tensor]:
@@ -60,7 +61,7 @@ def test_two_tier_equals_dynamic_cache_when_the_window_holds_everything(kind):
                                                    **GEN)
     rounding = max_diff(eager.logits, ref.logits)  # transformers' own eager against its sdpa
     cache = build_cache(ours.config, kind, sink=2, window=30, chunk=4, batch_size=2, recall_slots=8,
-                        certify={"recall_tau": 0.05, "sketch_bits": 8}, **PARAMS.get(kind, {}))
+                        certify={"recall_tau": 0.05, "sketch_bits": 8}, **example(kind, **PARAMS.get(kind, {})))
     assert cache.token_major and cache.kv.k_shape == (2, 32, 2, 8) and cache.kv.storage.recall_slots == 8
     out = ours.generate(prompt, cache=cache, max_new_tokens=12, prefill_chunk_size=4, **GEN)
     assert torch.equal(out.sequences, ref.sequences)

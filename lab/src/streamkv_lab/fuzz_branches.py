@@ -22,7 +22,7 @@ At the end every branch is released: the pool must have every page back (``leake
 still in use, plus reserved ones). Counted: ``cases``, ``steps``, ``forks``, ``rewinds``,
 ``releases``, ``exports``, ``rejected_calls``, ``state_changes_after_rejection``,
 ``bad_calls_accepted``, ``mismatches``, ``leaked_pages``, ``max_depth`` (generations of the deepest
-branch), ``max_fanout``; kinds in turn (the registry's order), formats and maps drawn.
+branch), ``max_fanout``; kinds, formats and maps in turn (the registries' order).
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ class _Case:
         self.sink = rng.randint(0, 2)
         self.window = (2 * C if per_head else C) + rng.randint(0, 5)
         self.H, self.D = rng.randint(1, 2), rng.choice([4, 8])  # whole bytes of codes in every format
-        axis = rng.choice(["plain", "format", "map"])  # a stored format or a position map, a third each
-        self.quant = rng.choice(list(KV_FORMATS)) if axis == "format" else None
-        self.map = rng.choice(list(POSITION_MAPS)) if axis == "map" else None
+        # dense, a stored format or a position map in turn, each registry in turn (a registry growing
+        # shifts no other draw)
+        axis = ("plain", "format", "map")[index % 3]
+        self.quant = list(KV_FORMATS)[index // 3 % len(KV_FORMATS)] if axis == "format" else None
+        self.map = list(POSITION_MAPS)[index // 3 % len(POSITION_MAPS)] if axis == "map" else None
         self.history = rng.choice([0, 0, 1, 3])
         page = rng.choice([C, C, 1, C + 1, 2 * C])
         self.pages = {"page": page, "history": self.history, "spare": rng.choice([4, 64])}

@@ -26,6 +26,7 @@ from streamkv import KVCache
 from streamkv.attention import attend
 from streamkv.caches import CACHE_KINDS
 from streamkv.quant import KV_FORMATS, KVQuant, hadamard
+from streamkv_lab.kinds import kind_params
 
 __all__ = ["fuzz_quant", "round_trip"]
 
@@ -97,7 +98,7 @@ def _case(rng: random.Random, g: torch.Generator, steps: int) -> tuple[int, int,
     H, D = rng.choice([1, 2, 3]), rng.choice([4, 8])
     quant = KVQuant(fmt, residual=rng.choice([0, 1, C, 2 * C + 1]), sinks=rng.random() < 0.7,
                     basis=rng.choice(["identity", "hadamard"]), group=rng.choice([None, D // 2]))
-    params = {"tau": 0.05} if kind == "mass" else {}
+    params = kind_params(kind, tau=0.05)
     cache = KVCache((1, sink + window, H, D), (1, sink + window, H, D), seq_dim=1, sink=sink, window=window,
                     chunk=C, policy=kind, quant=quant, **params)
     hist: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -31,6 +31,7 @@ from torch import Tensor
 from streamkv.attention import attend
 from streamkv.caches import CACHE_KINDS, KVCache
 from streamkv.policies import POLICIES
+from streamkv_lab.kinds import kind_params
 from streamkv.positions import POSITION_MAPS, PositionMap, position_map, reference_rotation
 from streamkv.rope import Rope3D
 from streamkv.rope_at_read import RopeAtRead, units_capacity
@@ -180,7 +181,7 @@ def run_map_layout(lay: MapLayout, *, pmap_override: PositionMap | None = None, 
     rope = RopeAtRead(rot, pmap, **(rope_kwargs or {}))
     k_shape = (1, cap, H, D) if lay.seq_dim == 1 else (1, H, cap, D)
     v_shape = k_shape[:-1] + (Dv,)
-    kw = {"budget": cap - lay.chunk} if lay.kind in ("h2o", "tova") else {"tau": 0.3} if lay.kind == "mass" else {}
+    kw = kind_params(lay.kind, budget=cap - lay.chunk, tau=0.3)
     cache = CACHE_KINDS[lay.kind](k_shape, v_shape, seq_dim=lay.seq_dim, sink=lay.sink, window=lay.window,
                                   chunk=lay.chunk, dtype=torch.float64, rope_at_read=rope, **kw)
     res = MapResult(lay.name)
