@@ -111,13 +111,18 @@ class KVRead:
         return self.dims.shape("k", self.dims.slots)
 
     def check_current(self) -> None:
-        """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made."""
+        """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made (a
+        begin, commit, reset, load, rewind or release): every accessor of what the read holds
+        (:meth:`segments`, :meth:`stored`, :attr:`keys`, :attr:`values`, :meth:`bias`,
+        :meth:`causal_bias`) and ``attend`` call it first, so a stale read is refused, never
+        answered from slots that now hold other tokens."""
         if self.lifecycle is not None and not torch.compiler.is_compiling():
             self.lifecycle.check_current(self.generation, f"this read of {self.name}")
 
     def segments(self) -> list[Segment]:
         """What the read attends (the store's segments at this read's :attr:`positions`, kept while
-        they are unchanged; then an observer's, built anew)."""
+        they are unchanged; then an observer's, built anew). Refused for a stale read."""
+        self.check_current()
         memo = self._kept()
         own = None if memo is None else memo.get("own")
         if own is None:
@@ -156,7 +161,7 @@ class KVRead:
         """The keys and values every slot holds, as stored (layer layout, every slot; raw keys of a
         cache that rotates at read stay raw): the buffers themselves for one dense segment, else a
         decoded copy (codes decoded, rotated back from their storage basis). Rows an observer adds
-        (a compressed tier) are not slots and are left out."""
+        (a compressed tier) are not slots and are left out. Refused for a stale read."""
         segs = self.segments()
         if len(segs) == 1 and segs[0].contiguous and segs[0].slots == 0:
             return self.dims.from_attention(segs[0].keys), self.dims.from_attention(segs[0].values)
@@ -184,6 +189,9 @@ class KVRead:
 
     # ------------------------------------------------------ for a user's own kernel
     def _plain(self) -> Segment:
+        """The one dense segment a user's own kernel may attend as it lies; refused (stale, or no such
+        segment) with the reason."""
+        self.check_current()
         why = []
         if self.rope_at_read is not None:
             why.append("its keys are raw and rotated at read by a position map (attend() rotates them)")
@@ -211,7 +219,10 @@ class KVRead:
     def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """The additive bias over every slot (``-inf`` on empty ones), broadcastable against scores
         ``[..., Q, S]`` of the layer moved to ``[..., T, D]``; None only when every slot is occupied
-        (``"all"``). Attend over all of :attr:`keys` with it (or over the first ``visible`` slots)."""
+        (``"all"``). Attend over all of :attr:`keys` with it (or over the first ``visible`` slots).
+        Offered where :attr:`keys` is (a bias over rows that are not what attention reads would be
+        a wrong answer), and refused as it is."""
+        self._plain()
         if self.occupancy == "all":
             return None
         return self.dims.lay_out_heads(position_bias(self.positions, None, dtype))
@@ -220,5 +231,7 @@ class KVRead:
                     ) -> Tensor:
         """The bias of position-causal attention over the slots read (``[:visible]``): a query at
         position ``p`` sees the occupied slots holding positions ``<= p`` (with ``window``, only
-        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``."""
+        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``.
+        Offered and refused as :meth:`bias`."""
+        self._plain()
         return self.dims.lay_out_heads(position_bias(self.positions[:, : self.visible], query_positions, dtype, window))

@@ -66,7 +66,8 @@ class StateDicts:
         (so a state taken now restores this moment even after the stream moves on).
 
         Raises ``RuntimeError`` for a cache with recall slots: their contents belong to the
-        observer that recalled them, which does not serialise its state."""
+        observer that recalled them, which does not serialise its state; and for a released cache."""
+        self.checks.alive("state_dict()")
         if self.storage.recall_slots:
             raise RuntimeError(
                 "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
