@@ -177,7 +177,7 @@ def check_rollouts(device: torch.device, quick: bool) -> dict:
 def bench_maintenance(device: torch.device, quick: bool) -> dict:
     """Per-step maintenance of every cache at a preset, timed with CUDA events (the bench's
     instruments), plus transient allocations of a steady ring step."""
-    from streamkv.lab.bench import PRESETS, measure_maintenance
+    from streamkv_lab.bench import PRESETS, measure_maintenance
 
     preset = PRESETS["small" if quick else "self-forcing"]
     r = measure_maintenance(preset, device, repeats=10 if quick else 50)
@@ -222,7 +222,7 @@ def bench_rollout(device: torch.device, quick: bool, full_model: bool) -> dict:
 
 # --------------------------------------------------------------------------- 4
 def check_two_tier(device: torch.device, quick: bool) -> dict:
-    from streamkv.lab.experiments.twotier import TwoTierConfig, video_stream, run_two_tier
+    from streamkv_lab.experiments.twotier import TwoTierConfig, video_stream, run_two_tier
 
     stream = video_stream(frames=16 if quick else 48, layers=1 if quick else 2)
     stream.q, stream.k, stream.v = ([t.to(device) for t in ts] for ts in (stream.q, stream.k, stream.v))
@@ -815,7 +815,7 @@ class Graph:
 def _no_syncs(fn, device: torch.device) -> tuple[bool, str]:
     """Run ``fn``: on CUDA under ``set_sync_debug_mode("error")`` (a synchronising call raises), on
     the CPU counted at the dispatcher. (ok, detail)."""
-    from streamkv.lab.measure import count_dispatch
+    from streamkv_lab.measure import count_dispatch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -840,7 +840,7 @@ def check_write_paths(device: torch.device, dry: bool, backend: str) -> dict:
     """The ring's write paths against one another over fills, wraps and a reset (bf16)."""
     import torch._dynamo
 
-    from streamkv.lab.measure import count_compiled, probe_transient
+    from streamkv_lab.measure import count_compiled, probe_transient
 
     real_graphs = device.type == "cuda"
     S, W, C = (16, 80, 32) if dry else (1560, 7800, 4680)  # chunks wrap: window is not a whole number of them
@@ -975,7 +975,7 @@ ISSUE_PRESETS = ("self-forcing", "lingbot", "krea-realtime-14b", "longlive2", "l
 def _preset(name: str, dry: bool):
     from dataclasses import replace as dc_replace
 
-    from streamkv.lab.bench import PRESETS
+    from streamkv_lab.bench import PRESETS
 
     p = PRESETS[name]
     return dc_replace(p, tokens_per_frame=4, heads=2, head_dim=8, repeats=3) if dry else p
@@ -993,8 +993,8 @@ def nominal_bandwidth(device: torch.device) -> tuple[float | None, str]:
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """Median ms of ``fn`` (CUDA events on a GPU, perf_counter on the CPU)."""
-    from streamkv.lab.measure import Stats
-    from streamkv.lab.measure.timing import _timer
+    from streamkv_lab.measure import Stats
+    from streamkv_lab.measure.timing import _timer
 
     timer = _timer(device)
     for _ in range(3):
@@ -1053,9 +1053,9 @@ def issue21_figures(device: torch.device, dry: bool, backend: str, budget: Budge
     """Every target's figure in one run (see the module docstring, section 3)."""
     import gc
 
-    from streamkv.lab.bench import BenchOptions, run_preset
-    from streamkv.lab.bench.counts import count_preset
-    from streamkv.lab.bench.scored import price_scored
+    from streamkv_lab.bench import BenchOptions, run_preset
+    from streamkv_lab.bench.counts import count_preset
+    from streamkv_lab.bench.scored import price_scored
 
     out: dict = {"presets": {}, "counts": {}}
     opts = BenchOptions(device=str(device), repeats=3 if dry else 30, warmup=1 if dry else 3,
@@ -1155,7 +1155,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     t0 = time.perf_counter()
-    from streamkv.lab.env import environment
+    from streamkv_lab.env import environment
 
     report: dict = {"versions": environment(device), "dry_run": args.dry_run, "budget_s": args.budget_s,
                     "compile_backend": backend}

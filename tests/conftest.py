@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkv.lab.bench.peers import load_block_kv_cache
-from streamkv.lab.snapshot import assert_same_state, snapshot  # noqa: F401  (the tests' helpers)
+from streamkv_lab.bench.peers import load_block_kv_cache
+from streamkv_lab.snapshot import assert_same_state, snapshot  # noqa: F401  (the tests' helpers)
 
 # The suite is made of many tiny ops; one intra-op thread avoids thread-pool contention
 # (on a busy 2-core machine it is several times faster and changes no result).

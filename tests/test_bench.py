@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamkv.lab.bench import (
+from streamkv_lab.bench import (
     PRESETS,
     SECTIONS,
     BenchOptions,
@@ -26,8 +26,8 @@ from streamkv.lab.bench import (
     run_preset,
     time_interleaved,
 )
-from streamkv.lab.measure import check_device
-from streamkv.lab.cli import main
+from streamkv_lab.measure import check_device
+from streamkv_lab.cli import main
 
 CPU = torch.device("cpu")
 HAVE_FLASHDREAMS = load_block_kv_cache() is not None
@@ -52,7 +52,7 @@ def test_bench_small_runs_and_writes_well_formed_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "current/ring" in printed and "ring/floor" in printed and "flashdreams/ring" in printed
     doc = _strict_json(out.read_text())
-    assert doc["schema"] == "streamkv.lab.bench/1"
+    assert doc["schema"] == "streamkv_lab.bench/1"
     assert list(doc["presets"]) == ["small"]
     rec = doc["presets"]["small"]
     caches = ["current", "flashdreams", "ring"]
@@ -103,7 +103,7 @@ def test_cli_rejects_cuda_without_cuda(capsys):
 
 
 def test_cli_choices_are_the_presets():
-    from streamkv.lab.commands.bench import _PRESETS
+    from streamkv_lab.commands.bench import _PRESETS
 
     assert tuple(PRESETS) == _PRESETS
 
@@ -284,8 +284,8 @@ def test_a_registered_section_lands_under_its_key(monkeypatch):
 
 
 def test_without_flashdreams_the_peer_is_skipped_with_a_note(monkeypatch, capsys):
-    import streamkv.lab.bench.maintenance as maintenance
-    from streamkv.lab.bench import print_report
+    import streamkv_lab.bench.maintenance as maintenance
+    from streamkv_lab.bench import print_report
 
     monkeypatch.setattr(maintenance, "load_block_kv_cache", lambda: None)
     opts = BenchOptions(repeats=2, transient_steps=1, count_bytes=False, warmup=1, warmup_s=0.0,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from streamkv.caches import ChronologicalCache, RingCache, TOVACache
-from streamkv.lab.bench import BenchOptions, Preset, run_preset
-from streamkv.lab.bench.counts import build_count_subject, classify_read, count_subject, write_ops_by_window
-from streamkv.lab.measure import count_compiled, count_dispatch
+from streamkv_lab.bench import BenchOptions, Preset, run_preset
+from streamkv_lab.bench.counts import build_count_subject, classify_read, count_subject, write_ops_by_window
+from streamkv_lab.measure import count_compiled, count_dispatch
 
 TINY = Preset("tiny-counts", window_frames=6, chunk_frames=2, sink_frames=1, tokens_per_frame=3, heads=2, head_dim=4,
               dtype="float32", scaling_windows=())
@@ -65,7 +65,7 @@ def test_ring_write_ops_do_not_depend_on_the_window():
         w = write_ops_by_window(preset, "cpu", multiples=(1, 2, 3, 6, 20))
         assert w["constant"] and len(set(w["begin_ops"])) == 1, w
         assert w["wrap_write_ops"] <= 3 * w["write_ops"][0], w  # a wrap: bounded, not a per-row loop
-    from streamkv.lab.bench import PRESETS
+    from streamkv_lab.bench import PRESETS
 
     assert write_ops_by_window(PRESETS["longlive2"], "cpu", multiples=(2, 3))["constant"]  # 8-frame chunks
 
@@ -145,6 +145,6 @@ def test_the_counts_section_writes_the_issue_keys():
     assert rec["allocations_per_chunk"]["flashdreams"] > 0 and rec["allocations_per_chunk"]["sglang"] > 0
     assert rec["targets"]["ring_host_syncs"]["met"] and rec["targets"]["ring_write_ops_spread"]["met"]
     json.dumps(rec, allow_nan=False)
-    from streamkv.lab.bench import print_report
+    from streamkv_lab.bench import print_report
 
     print_report({"presets": {ALIGNED.name: rec}})

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from streamkv.lab.bench.reads import (
+from streamkv_lab.bench.reads import (
     READ_TARGETS,
     TIER_FORMATS,
     _reader,
@@ -18,8 +18,8 @@ from streamkv.lab.bench.reads import (
     own_code,
     read_variants,
 )
-from streamkv.lab.bench.shapes import SHAPES, get_shape
-from streamkv.lab.cli import main
+from streamkv_lab.bench.shapes import SHAPES, get_shape
+from streamkv_lab.cli import main
 from streamkv.positions import POSITION_MAPS
 from streamkv.stores import KV_FORMATS
 
@@ -83,7 +83,7 @@ def test_a_compiled_read_equals_the_eager_one(name):
 @pytest.mark.parametrize("name", ["map:cache_relative", "format:int8", "tier:int4"])
 def test_one_query_reads_as_the_last_row_of_the_span(name):
     """The default read (one query) is the span's last row: its rotation and masks follow it."""
-    from streamkv.lab.bench.reads import _last_rows
+    from streamkv_lab.bench.reads import _last_rows
 
     shape = get_shape("tiny-video")
     v = build_variant(name, dict(read_variants(shape))[name], shape, 0)
@@ -101,8 +101,8 @@ def test_own_code_gives_each_closure_its_own_code_object():
 
 
 def test_the_commands_shape_names_are_the_registry():
-    from streamkv.lab.commands.bench import _READ_SHAPES, _SHAPES
-    from streamkv.lab.commands.chart import _CHART_SHAPES, _VIDEO_SHAPES
+    from streamkv_lab.commands.bench import _READ_SHAPES, _SHAPES
+    from streamkv_lab.commands.chart import _CHART_SHAPES, _VIDEO_SHAPES
 
     assert _SHAPES == tuple(SHAPES)
     assert set(_READ_SHAPES) <= set(SHAPES) and set(_CHART_SHAPES) <= set(SHAPES)
@@ -110,7 +110,7 @@ def test_the_commands_shape_names_are_the_registry():
 
 
 def test_video_shapes_keep_the_presets_geometry():
-    from streamkv.lab.bench.presets import get_preset
+    from streamkv_lab.bench.presets import get_preset
 
     for name in ("self-forcing", "lingbot-world"):
         s, p = get_shape(name), get_preset(name)

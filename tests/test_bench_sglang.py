@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from streamkv.lab.bench import BenchOptions, Preset, run_preset
-from streamkv.lab.bench.maintenance import analytic_bytes
-from streamkv.lab.bench.peers import load_sglang_causal_kv_cache
+from streamkv_lab.bench import BenchOptions, Preset, run_preset
+from streamkv_lab.bench.maintenance import analytic_bytes
+from streamkv_lab.bench.peers import load_sglang_causal_kv_cache
 
 #: LongLive 2's structure at a toy size: sink = chunk, global (multi-shot) sinks on
 TINY = Preset("tiny-sglang", window_frames=6, chunk_frames=2, sink_frames=2, tokens_per_frame=3, heads=2,
@@ -41,8 +41,8 @@ def test_sglang_and_the_drop_in_are_measured():
 
 
 def test_without_sglang_the_original_is_skipped_with_a_note(monkeypatch, capsys):
-    import streamkv.lab.bench.maintenance as maintenance
-    from streamkv.lab.bench import print_report
+    import streamkv_lab.bench.maintenance as maintenance
+    from streamkv_lab.bench import print_report
 
     monkeypatch.setattr(maintenance, "load_sglang_causal_kv_cache", lambda: None)
     rec = run_preset(TINY, BenchOptions(repeats=2, transient_steps=0, count_bytes=False, warmup=1, warmup_s=0.0,

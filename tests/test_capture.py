@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounter
 
 from streamkv import KVCache
 from streamkv.attention import attend
-from streamkv.lab.measure.counts import count_dispatch
+from streamkv_lab.measure.counts import count_dispatch
 from streamkv.policies import POLICIES, make_policy
 from streamkv.quant import KVQuant
 

@@ -8,9 +8,9 @@ import torch
 from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
 from streamkv.certify import Certifier, HistoryCheck
-from streamkv.lab.env import threads
-from streamkv.lab.experiments.certify import RunConfig, SummaryOptions, run_dit, run_synthetic
-from streamkv.lab.experiments.qkv import QKVConfig, synthesize_qkv
+from streamkv_lab.env import threads
+from streamkv_lab.experiments.certify import RunConfig, SummaryOptions, run_dit, run_synthetic
+from streamkv_lab.experiments.qkv import QKVConfig, synthesize_qkv
 
 S, W, C, B, H, D = 2, 12, 4, 2, 3, 8
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from streamkv.lab.cli import main
+from streamkv_lab.cli import main
 
 KEYS = ("queries_checked", "violations", "tightness_median", "tightness_p95", "summary_bytes_ratio", "recall_events",
         "recalled_tokens")
@@ -38,7 +38,7 @@ def test_certify_bad_input(capsys):
 def test_default_run_meets_the_done_criteria(cache):
     """The default ``streamkv certify`` settings: >= 1e5 checked rows, zero violations, summaries
     <= 3% of the K/V they summarise."""
-    from streamkv.lab.experiments.certify import run_certify
+    from streamkv_lab.experiments.certify import run_certify
 
     r = run_certify(cache)
     assert r["queries_checked"] >= 100_000 and r["nontrivial"] >= 100_000

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkv.lab.bench.chart import measure_chart_shape
-from streamkv.lab.bench.chart_report import CHART_TARGETS, ROW_KEYS, evaluate_chart_targets
-from streamkv.lab.bench.chart_rows import Geometry, Row, chart_caches, chart_rows, parse_budget, row_capacity
-from streamkv.lab.bench.shapes import get_shape
+from streamkv_lab.bench.chart import measure_chart_shape
+from streamkv_lab.bench.chart_report import CHART_TARGETS, ROW_KEYS, evaluate_chart_targets
+from streamkv_lab.bench.chart_rows import Geometry, Row, chart_caches, chart_rows, parse_budget, row_capacity
+from streamkv_lab.bench.shapes import get_shape
 from streamkv.policies import POLICIES
 
 

@@ -8,18 +8,18 @@ import sys
 
 import pytest
 
-from streamkv.lab.cli import SUBCOMMANDS, build_parser, main
-from streamkv.lab.errors import UsageError, usage_errors
+from streamkv_lab.cli import SUBCOMMANDS, build_parser, main
+from streamkv_lab.errors import UsageError, usage_errors
 
 
 def test_help_does_not_import_torch():
-    code = "import sys, streamkv.lab.cli; streamkv.lab.cli.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, streamkv_lab.cli; streamkv_lab.cli.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_errors_go_to_stderr_with_exit_status_2(capsys):
-    from streamkv.lab.cli import main
+    from streamkv_lab.cli import main
 
     assert main(["rollout", "--config", "huge"]) == 2
     err = capsys.readouterr().err
@@ -31,13 +31,13 @@ def test_bad_arguments_fail_before_any_work(tmp_path, capsys, monkeypatch):
     the command's run() is never entered."""
     import importlib
 
-    from streamkv.lab.cli import SUBCOMMANDS, main
+    from streamkv_lab.cli import SUBCOMMANDS, main
 
     def must_not_run(args):
         raise AssertionError(f"{args.command} started before its arguments were checked")
 
     for module, _ in SUBCOMMANDS.values():
-        monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{module}"), "run", must_not_run)
+        monkeypatch.setattr(importlib.import_module(f"streamkv_lab.commands.{module}"), "run", must_not_run)
 
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -60,7 +60,7 @@ def test_cuda_on_a_cpu_only_machine_is_one_clear_line(capsys):
     import pytest
     import torch
 
-    from streamkv.lab.cli import main
+    from streamkv_lab.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: there is nothing to refuse")
@@ -83,7 +83,7 @@ def no_run(monkeypatch):
         raise AssertionError(f"{args.command} started before its arguments were checked")
 
     for module, _ in SUBCOMMANDS.values():
-        monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{module}"), "run", must_not_run)
+        monkeypatch.setattr(importlib.import_module(f"streamkv_lab.commands.{module}"), "run", must_not_run)
 
 
 def refused(argv: list[str], capsys) -> str:
@@ -171,9 +171,9 @@ def test_number_options_were_found():
 def test_a_bug_is_a_traceback_and_exit_status_1(tmp_path):
     """An exception that is not a usage error (here a KeyError from run()) is not disguised as the
     user's mistake: the interpreter prints its traceback, the exit status is 1."""
-    code = ("import sys\nimport streamkv.lab.commands.verify as verify\n"
+    code = ("import sys\nimport streamkv_lab.commands.verify as verify\n"
             "def run(args):\n    return {}['no such key']\n"
-            "verify.run = run\nfrom streamkv.lab.cli import main\nsys.exit(main(['verify']))\n")
+            "verify.run = run\nfrom streamkv_lab.cli import main\nsys.exit(main(['verify']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1, proc
     assert "Traceback (most recent call last)" in proc.stderr and "KeyError: 'no such key'" in proc.stderr
@@ -185,7 +185,7 @@ def test_a_bug_is_a_traceback_and_exit_status_1(tmp_path):
 def test_only_a_usage_error_is_exit_status_2(monkeypatch, exc):
     """main() lets every other exception through (ValueError and TypeError too: the lm-eval bug
     was a TypeError printed as a user error)."""
-    import streamkv.lab.commands.verify as verify
+    import streamkv_lab.commands.verify as verify
 
     def run(args):
         raise exc
@@ -199,7 +199,7 @@ def test_only_a_usage_error_is_exit_status_2(monkeypatch, exc):
 
 def test_a_bug_inside_a_check_is_not_a_usage_error(monkeypatch):
     """A check that itself fails (lm-eval's default kinds read while still None) is a traceback."""
-    from streamkv.lab.experiments.lm_config import LMEvalConfig
+    from streamkv_lab.experiments.lm_config import LMEvalConfig
 
     def broken(self):
         raise TypeError("'NoneType' object is not iterable")
@@ -223,14 +223,14 @@ def test_usage_errors_converts_only_what_it_wraps():
 
 
 def test_a_missing_optional_dependency_names_its_extra(monkeypatch, capsys):
-    import streamkv.lab.commands.verify as verify
+    import streamkv_lab.commands.verify as verify
 
     def run(args):
         raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
 
     monkeypatch.setattr(verify, "run", run)
     assert main(["verify"]) == 2
-    assert "needs transformers: pip install 'streamkv[eval]'" in capsys.readouterr().err
+    assert "needs transformers: pip install 'streamkv[gguf]'" in capsys.readouterr().err
 
     def run_other(args):
         raise ModuleNotFoundError("No module named 'orjson'", name="orjson")  # not ours to name: a traceback
@@ -247,8 +247,8 @@ def reach(monkeypatch):
     def reached(*args, **kwargs):
         raise Reached(args, kwargs)
 
-    for path in ("streamkv.lab.experiments.positions.run_positions", "streamkv.lab.smollm2.load_smollm2",
-                 "streamkv.lab.fuzz.run_fuzz", "streamkv.lab.experiments.quant_read.read_costs"):
+    for path in ("streamkv_lab.experiments.positions.run_positions", "streamkv_lab.smollm2.load_smollm2",
+                 "streamkv_lab.fuzz.run_fuzz", "streamkv_lab.experiments.quant_read.read_costs"):
         mod, name = path.rsplit(".", 1)
         monkeypatch.setattr(importlib.import_module(mod), name, reached)
 
@@ -270,7 +270,7 @@ def test_quant_sizes_given_win_over_quick(reach, tmp_path, monkeypatch, argv, to
     """--quick fills the sizes not given; a size given takes effect (it was overwritten)."""
     import argparse
 
-    from streamkv.lab.commands import quant
+    from streamkv_lab.commands import quant
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Reached) as info:  # the read benchmark: the first part

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from streamkv.lab.cli import SUBCOMMANDS, build_parser, main
+from streamkv_lab.cli import SUBCOMMANDS, build_parser, main
 
 TESTS = Path(__file__).resolve().parent
 
@@ -216,7 +216,7 @@ def _check(command: str, doc: dict) -> None:
                                  "clips": 1, "chunk": 8, "residual": 16, "quick": True}
         assert doc["smollm2"]["tokens"] == 16 and doc["read"]["tokens"] == 16 and doc["video"]["frames"] == 6
     elif command == "lm-eval":  # the default kinds ran
-        from streamkv.lab.kinds import compared_kinds
+        from streamkv_lab.kinds import compared_kinds
 
         assert {k.split("(")[0] for k in doc["caches"]} == {"full", *compared_kinds()}
     elif command == "positions":  # --quick: the small cost preset, a 2x long stream, a tiny Llama
@@ -227,7 +227,7 @@ def _check(command: str, doc: dict) -> None:
         assert len(v["branches"]) == 2 and v["clip"]["frames"] == 10 and v["max_abs_diff_vs_unforked"] == 0
         assert m["preset"]["name"] == "small" and m["branches"] == 2
     elif command == "chart":  # every cache ran at both shapes; 0 host syncs where the caches read nothing back
-        from streamkv.lab.bench.chart_rows import chart_caches
+        from streamkv_lab.bench.chart_rows import chart_caches
 
         for shape in ("tiny-video", "tiny-decode"):
             rows = {r["key"]: r for r in doc["rows"] if r["shape"] == shape}

@@ -455,8 +455,8 @@ def test_per_chunk_oracle_refusals():
 def test_toy_stream_records_the_committed_pass():
     """The toy model's recorded stream: every chunk once (the committed pass), the keys the ring
     holds at the end (it holds every frame), queries of the model's head count."""
-    from streamkv.lab.video import qkv
-    from streamkv.lab.video.toy import load_model
+    from streamkv_lab.video import qkv
+    from streamkv_lab.video.toy import load_model
 
     seen = {}
     real = qkv._Recorder.on_commit
@@ -519,8 +519,8 @@ def test_transformers_model_attends_tier_two():
 
 
 def test_tier_geometry_fits_the_budget_or_refuses():
-    from streamkv.lab.experiments.tier import TierConfig, tier_geometry
-    from streamkv.lab.experiments.twotier import video_stream
+    from streamkv_lab.experiments.tier import TierConfig, tier_geometry
+    from streamkv_lab.experiments.twotier import video_stream
 
     s = video_stream(frames=8, layers=1)
     per_slot = s.layers * s.k[0].shape[0] * s.k[0].shape[2] * 2 * s.k[0].shape[3] * 4

@@ -247,7 +247,7 @@ def test_sizes_and_models_that_cannot_stream_are_refused():
 def test_cli_rollout_model_diffusers_wan_writes_json(tmp_path):
     import json
 
-    from streamkv.lab.cli import main
+    from streamkv_lab.cli import main
 
     path = tmp_path / "wan.json"
     assert main(["rollout", "--model", "diffusers-wan", "--cache", "ring", "--chunks", "5", "--json", str(path)]) == 0

@@ -20,8 +20,8 @@ import torch._dynamo.testing
 
 from streamkv import CacheSet
 from streamkv.distributed import ContextParallel, check_split, launch
-from streamkv.lab.experiments import cp_compare
-from streamkv.lab.experiments.cp_compare import compare_context_parallel
+from streamkv_lab.experiments import cp_compare
+from streamkv_lab.experiments.cp_compare import compare_context_parallel
 from streamkv.layout import CacheLayout
 from streamkv.models import CausalVideoDiT, get_config
 from streamkv.models.config import DiTConfig
@@ -316,7 +316,7 @@ def test_torchrun_launches_the_same_comparison(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "streamkv.lab.cli", "rollout", "--cache", "ring", "--chunks", "4", "--threads", "1", "--json", str(out)],
+         "-m", "streamkv_lab.cli", "rollout", "--cache", "ring", "--chunks", "4", "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

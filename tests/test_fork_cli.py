@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamkv.lab.cli import main
+from streamkv_lab.cli import main
 from test_cli import no_run, refused  # noqa: F401  (the fixture)
 
 REFUSED = [
@@ -39,14 +39,14 @@ def test_bad_options_are_refused_before_any_work(no_run, tmp_path, monkeypatch, 
 
 
 def test_the_presets_named_for_help_are_the_benchmarks():
-    from streamkv.lab.bench.presets import PRESETS
-    from streamkv.lab.commands.fork import PRESETS as NAMED
+    from streamkv_lab.bench.presets import PRESETS
+    from streamkv_lab.commands.fork import PRESETS as NAMED
 
     assert NAMED == tuple(PRESETS)
 
 
 def test_the_small_preset_measurement_holds_its_claims():
-    from streamkv.lab.experiments.fork_memory import fork_memory
+    from streamkv_lab.experiments.fork_memory import fork_memory
 
     r = fork_memory("small", branches=3, repeats=2, read_repeats=2)
     m, p = r["memory"], r["preset"]

@@ -12,9 +12,9 @@ import torch
 from kinds import CERTIFIED
 from streamkv.caches.observers import Observers
 from streamkv.certify import Certifier
-from streamkv.lab import fuzz
-from streamkv.lab.cli import main
-from streamkv.lab.fuzz import FuzzResult, draw_layout, fuzz_layout, kinds, run_fuzz
+from streamkv_lab import fuzz
+from streamkv_lab.cli import main
+from streamkv_lab.fuzz import FuzzResult, draw_layout, fuzz_layout, kinds, run_fuzz
 from streamkv.policies import POLICIES, FixedBudget, Ring
 from streamkv.policies.scored import Scores
 
@@ -171,7 +171,7 @@ def test_cli_writes_the_counts(tmp_path):
 
 # ------------------------------------------------------------------ fork trees (--forks)
 def _forks(cases: int, seed: int = 0):
-    from streamkv.lab.fuzz_branches import fuzz_branches
+    from streamkv_lab.fuzz_branches import fuzz_branches
 
     with torch.no_grad():
         return fuzz_branches(cases, steps=30, seed=seed)

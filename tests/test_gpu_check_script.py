@@ -49,7 +49,7 @@ def test_the_dry_run_exercises_every_section_and_prints_one_json(tmp_path, capsy
     assert wp["wrapping_chunks"] > 0 and not any(wp["mismatching_chunks"].values())
     assert wp["recompiles_after_warmup"] == 0 and all(v["ok"] for v in wp["syncs"].values())
     fig = report["issue21"]
-    from streamkv.lab.kinds import scored_kinds
+    from streamkv_lab.kinds import scored_kinds
     assert set(fig["presets"]) == set(mod.ISSUE_PRESETS) and set(fig["counts"]) == set(mod.ISSUE_PRESETS)
     assert fig["counts"]["self-forcing"]["ring"]["compiled"] is not None  # the compiled counts ran
     assert {"sglang", "sglang_ring", "flashdreams", "flashdreams_ring", *scored_kinds()} <= set(

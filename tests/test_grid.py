@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv import ChronologicalCache, RingCache
-from streamkv.lab.experiments.verify import default_layouts, run_layout, stream_ops
+from streamkv_lab.experiments.verify import default_layouts, run_layout, stream_ops
 from streamkv.reference import ReferenceCache, reference_attention
 
 LAYOUTS = default_layouts()

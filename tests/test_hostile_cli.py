@@ -10,18 +10,18 @@ import importlib
 
 import pytest
 
-from streamkv.lab.cli import SUBCOMMANDS, main
+from streamkv_lab.cli import SUBCOMMANDS, main
 
 #: the functions where each command's work starts (patched: reaching one is "work started")
 WORK = [
-    "streamkv.lab.fuzz.run_fuzz", "streamkv.lab.experiments.certify.run_certify",
-    "streamkv.lab.experiments.twotier.run_real", "streamkv.lab.smollm2.load_smollm2",
-    "streamkv.lab.video.toy.load_model", "streamkv.lab.video.train.train",
-    "streamkv.lab.experiments.rollout_compare.compare_rollouts",
-    "streamkv.lab.experiments.diffusers_wan.run_diffusers_wan",
-    "streamkv.lab.experiments.cp_compare.compare_context_parallel", "streamkv.lab.experiments.pareto.run_pareto",
-    "streamkv.lab.budget.run_streaming_budget", "streamkv.lab.experiments.verify.run_verify",
-    "streamkv.lab.bench.reads.measure_reads", "streamkv.lab.experiments.chart_error.load_stream",
+    "streamkv_lab.fuzz.run_fuzz", "streamkv_lab.experiments.certify.run_certify",
+    "streamkv_lab.experiments.twotier.run_real", "streamkv_lab.smollm2.load_smollm2",
+    "streamkv_lab.video.toy.load_model", "streamkv_lab.video.train.train",
+    "streamkv_lab.experiments.rollout_compare.compare_rollouts",
+    "streamkv_lab.experiments.diffusers_wan.run_diffusers_wan",
+    "streamkv_lab.experiments.cp_compare.compare_context_parallel", "streamkv_lab.experiments.pareto.run_pareto",
+    "streamkv_lab.budget.run_streaming_budget", "streamkv_lab.experiments.verify.run_verify",
+    "streamkv_lab.bench.reads.measure_reads", "streamkv_lab.experiments.chart_error.load_stream",
 ]
 
 
@@ -36,7 +36,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started before the arguments were checked")
 
     for module, _ in SUBCOMMANDS.values():
-        monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{module}"), "run", must_not_run)
+        monkeypatch.setattr(importlib.import_module(f"streamkv_lab.commands.{module}"), "run", must_not_run)
     for path in WORK:
         mod, name = path.rsplit(".", 1)
         monkeypatch.setattr(importlib.import_module(mod), name, must_not_run)
@@ -165,7 +165,7 @@ def test_valid_options_reach_the_work(reach, argv, tmp_path, monkeypatch):
 def test_the_options_given_are_told_apart_from_defaults():
     """``args._given`` (what a command may refuse when it does not apply) for plain, boolean,
     appended and default-valued options."""
-    from streamkv.lab.cli import build_parser, given_options
+    from streamkv_lab.cli import build_parser, given_options
 
     parser = build_parser()
     argv = ["bench", "--preset", "krea-realtime-14b", "--preset", "self-forcing", "--no-scaling", "--device", "cpu"]

@@ -23,11 +23,11 @@ from rich.console import Console
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from streamkv.budget.oracles import PerQueryMass
-from streamkv.lab.cli import main
-from streamkv.lab.commands.lm_eval import payload
-from streamkv.lab.experiments.lm_eval import LMEvalConfig, evaluate
-from streamkv.lab.experiments.lm_oracle import KWARG, OracleRun, mass_keep, oracle_attention
-from streamkv.lab.experiments.lm_report import plot_lm_eval, print_lm_eval
+from streamkv_lab.cli import main
+from streamkv_lab.commands.lm_eval import payload
+from streamkv_lab.experiments.lm_eval import LMEvalConfig, evaluate
+from streamkv_lab.experiments.lm_oracle import KWARG, OracleRun, mass_keep, oracle_attention
+from streamkv_lab.experiments.lm_report import plot_lm_eval, print_lm_eval
 
 
 def tiny(dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""The seed's experiments (streamkv.lab.experiments.synthetic / .pareto) and ``streamkv pareto``.
+"""The seed's experiments (streamkv_lab.experiments.synthetic / .pareto) and ``streamkv pareto``.
 
 The five falsifiers are tests here, checked on the per-query records (not only on the
 flags the experiment computes), and each falsifier is also shown to fire on a
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from streamkv.budget import FixedWindow, Full, PerQueryMass
-from streamkv.lab.cli import main
-from streamkv.lab.env import threads
-from streamkv.lab.experiments.pareto import _interp_log, falsifiers, run_pareto
-from streamkv.lab.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
+from streamkv_lab.cli import main
+from streamkv_lab.env import threads
+from streamkv_lab.experiments.pareto import _interp_log, falsifiers, run_pareto
+from streamkv_lab.experiments.synthetic import GeneratorConfig, SyntheticStream, evaluate, synthesize
 
 F64 = torch.float64
 EPS = torch.finfo(F64).eps

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from conftest import assert_same_state, snapshot
 from streamkv.compat.sglang import CausalAttentionKVView, CausalSelfAttentionKVCache, RingCausalSelfAttentionKVCache
-from streamkv.lab.bench.peers import load_sglang_causal_kv_cache
+from streamkv_lab.bench.peers import load_sglang_causal_kv_cache
 
 F64 = torch.float64
 #: the drop-in's documented refusals (module docstring), by the words of their messages

@@ -15,7 +15,7 @@ import torch
 from kinds import SCORED
 from streamkv import RingCache
 from streamkv.attention import attend
-from streamkv.lab.experiments.positions_check import (
+from streamkv_lab.experiments.positions_check import (
     MapLayout,
     large_positions,
     default_map_layouts,
@@ -473,7 +473,7 @@ def test_the_docs_tables_are_the_registry():
 def test_the_fuzzers_position_hook_draws_the_registry():
     import random
 
-    from streamkv.lab.fuzz_positions import draw_map_layout, fuzz_maps
+    from streamkv_lab.fuzz_positions import draw_map_layout, fuzz_maps
 
     rng = random.Random(0)
     assert {draw_map_layout(rng).map for _ in range(200)} == set(POSITION_MAPS)

@@ -228,9 +228,9 @@ def test_chronological_mask_path_reads_the_stored_values():
 
 
 def test_fuzz_hook():
-    """The quantised-storage fuzzer (streamkv.lab.fuzz_quant): random kinds, formats, residuals,
+    """The quantised-storage fuzzer (streamkv_lab.fuzz_quant): random kinds, formats, residuals,
     spans, reopens, resets and state-dict round trips against a model of the stream."""
-    from streamkv.lab.fuzz_quant import fuzz_quant
+    from streamkv_lab.fuzz_quant import fuzz_quant
 
     res = fuzz_quant(cases=16, steps=12, seed=7)
     assert res["slots_checked"] > 1000 and res["refused_writes"] > 0

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamkv.policies import POLICIES, example_policy
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
@@ -117,12 +119,13 @@ def test_a_block_that_needs_more_than_this_machine_compiles_and_defines_its_name
     assert not undefined_names(block.code), f"{block.name} uses names it never defines: {undefined_names(block.code)}"
 
 
-@pytest.mark.parametrize("kind", ["ring", "chronological", "mass", "h2o", "tova", "knorm", "keydiff"])
+@pytest.mark.parametrize("kind", list(POLICIES))
 def test_the_api_loop_runs_for_every_kind(kind):
-    """The API loop with each kind in place of the ring, checked after it ran."""
+    """The API loop with each kind in place of the ring (its example parameters), checked after it ran."""
     code = next(b.code for b in RUN if "caches = CacheSet(" in b.code and "for c in range(12)" in b.code)
     assert '"ring",' in code
-    code = code.replace('"ring",', f'"{kind}", tau=0.05,' if kind == "mass" else f'"{kind}",', 1)
+    params = "".join(f" {k}={v!r}," for k, v in example_policy(kind).items())
+    code = code.replace('"ring",', f'"{kind}",{params}', 1)
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     caches, out = scope["caches"], scope["out"]
@@ -139,7 +142,7 @@ def test_the_api_loop_runs_for_every_kind(kind):
 def command_lines(text: str) -> list[str]:
     """Every ``streamkv <subcommand> ...`` in backticks (a span may wrap over lines), except a
     synopsis with placeholders (``--layouts N --json PATH``)."""
-    from streamkv.lab.cli import SUBCOMMANDS
+    from streamkv_lab.cli import SUBCOMMANDS
 
     out = []
     prose = re.sub(r"^```.*?^```[ \t]*$", "", text, flags=re.S | re.M)  # fenced blocks are not spans
@@ -174,13 +177,13 @@ def test_every_command_line_shown_passes_the_checks(argv, tmp_path, monkeypatch,
     run() is replaced: the work itself is the smoke tests' and the experiments')."""
     import importlib
 
-    from streamkv.lab.cli import SUBCOMMANDS, main
+    from streamkv_lab.cli import SUBCOMMANDS, main
 
     def started(args):
         raise Started
 
     name = argv.split()[0]
-    monkeypatch.setattr(importlib.import_module(f"streamkv.lab.commands.{SUBCOMMANDS[name][0]}"), "run", started)
+    monkeypatch.setattr(importlib.import_module(f"streamkv_lab.commands.{SUBCOMMANDS[name][0]}"), "run", started)
     monkeypatch.chdir(tmp_path)  # the commands' output paths (out/...)
     with pytest.raises(Started):
         main(shlex.split(argv))

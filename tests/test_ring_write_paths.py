@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from streamkv.caches import RingCache, TOVACache
-from streamkv.lab.measure import count_dispatch, probe_transient
+from streamkv_lab.measure import count_dispatch, probe_transient
 
 LAYOUTS = [
     # sink, window, chunk, layout, dtype

@@ -154,7 +154,7 @@ def test_mismatched_latents_and_foreign_caches_are_rejected(model):
 def test_cli_rollout_compare_writes_the_parity_json(tmp_path):
     import json
 
-    from streamkv.lab.cli import main
+    from streamkv_lab.cli import main
 
     path = tmp_path / "r.json"
     assert main(["rollout", "--compare", "--chunks", "8", "--json", str(path)]) == 0
@@ -170,7 +170,7 @@ def test_cli_rollout_compare_writes_the_parity_json(tmp_path):
 def test_demo_writes_its_table_json_and_plot(tmp_path):
     import json
 
-    from streamkv.lab.cli import main
+    from streamkv_lab.cli import main
 
     assert main(["demo", "--out", str(tmp_path), "--chunks", "6", "--video-frames", "16"]) == 0
     data = json.loads((tmp_path / "demo.json").read_text())

@@ -3,7 +3,7 @@
 import torch
 
 from streamkv import ChronologicalCache, RingCache
-from streamkv.lab.measure import probe_transient
+from streamkv_lab.measure import probe_transient
 
 S, W, C = 2, 5, 3
 

@@ -9,7 +9,7 @@ import torch
 
 from streamkv.attention import attend
 from streamkv.caches import KVCache
-from streamkv.lab.budget import (
+from streamkv_lab.budget import (
     Recorder,
     SyntheticHeads,
     matched_h2o_budget,
@@ -19,7 +19,7 @@ from streamkv.lab.budget import (
     summarize,
     synthetic_qkv,
 )
-from streamkv.lab.cli import main
+from streamkv_lab.cli import main
 
 S, C, H, D, DV, B = 2, 3, 2, 4, 5, 2
 f64 = torch.float64
@@ -221,7 +221,7 @@ def test_synthetic_heads_guarantee_and_oracle_dominance():
     qkv = synthetic_qkv(spec, seed=0)
     n = spec.base.tokens
     # the embedding reproduces the generator's logits exactly enough to be its attention
-    from streamkv.lab.experiments.synthetic import synthesize
+    from streamkv_lab.experiments.synthetic import synthesize
 
     s0 = synthesize(spec.configs()[0], 0)
     torch.testing.assert_close(qkv[0][:, 0] @ qkv[1][:, 0].T / math.sqrt(n), s0.logits, rtol=0, atol=1e-12)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import streamkv.integrations.transformers_sliding as sw
-from streamkv.lab.experiments.positions_lm import (
+from streamkv_lab.experiments.positions_lm import (
     ARCHS,
     sliding_window_parity,
     streaming_llm_parity,

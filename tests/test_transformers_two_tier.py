@@ -252,8 +252,8 @@ def test_twotier_lm_measurement_on_a_tiny_model():
     the two-tier device bytes add up; the ring and TOVA get them as token-equivalents."""
     import math
 
-    from streamkv.lab.experiments.lm_stream import nll
-    from streamkv.lab.experiments.twotier_lm import TwoTierLMConfig, run_twotier_lm
+    from streamkv_lab.experiments.lm_stream import nll
+    from streamkv_lab.experiments.twotier_lm import TwoTierLMConfig, run_twotier_lm
 
     model = tiny("llama")
     ids = torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(8))

@@ -12,9 +12,9 @@ from streamkv import KVCache
 from streamkv.attention import attend
 from streamkv.certify import Certifier, HistoryCheck
 from streamkv.certify.sketch import KeySketch
-from streamkv.lab.cli import main
-from streamkv.lab.env import threads
-from streamkv.lab.experiments.twotier import Stream, TwoTierConfig, run_two_tier
+from streamkv_lab.cli import main
+from streamkv_lab.env import threads
+from streamkv_lab.experiments.twotier import Stream, TwoTierConfig, run_two_tier
 
 B, H, D = 1, 2, 8
 
@@ -122,7 +122,7 @@ def test_certified_recall_from_sketches_keeps_every_query_under_tau(causal, grou
 
 
 def _tiny_video_stream():
-    from streamkv.lab.experiments.twotier import video_stream
+    from streamkv_lab.experiments.twotier import video_stream
 
     return video_stream(frames=12, layers=1)
 
@@ -132,7 +132,7 @@ def test_two_tier_against_the_others_at_matched_memory():
     cfg = TwoTierConfig(policy="ring", sink=2, window=30, recall_slots=32, tau=0.05)
     r = run_two_tier(stream, cfg)
     c = r["caches"]
-    from streamkv.lab.kinds import scored_kinds
+    from streamkv_lab.kinds import scored_kinds
 
     assert set(c) == {"two_tier", "ring", *scored_kinds(), "oracle", "per_chunk_oracle", "budget_only"}
     tt = c["two_tier"]
@@ -215,7 +215,7 @@ def test_two_tier_in_the_video_rollout(kind):
     """The DiT's rollout (every denoising step and the clean pass rewrite the chunk) with key sketches
     and certified recall: every certificate valid, recall used, the kernel equal to the certificate's
     float64 attention over what is held."""
-    from streamkv.lab.experiments.certify import RunConfig, SummaryOptions, run_dit
+    from streamkv_lab.experiments.certify import RunConfig, SummaryOptions, run_dit
 
     run = RunConfig(cache=kind, recall_tau=0.05, recall_slots=48, tau=0.05, summary=SummaryOptions(sketch_bits=8))
     r = run_dit(run, chunks=6)
@@ -254,7 +254,7 @@ def test_queries_after_the_write_equal_queries_with_it():
 def test_compressed_tier_in_the_comparison():
     """``run_two_tier(tiers=...)``: the compressed tier fits the two-tier cache's device bytes,
     is checked (0 violations) and priced; the chosen run is the sweep's lowest mean error."""
-    from streamkv.lab.experiments.tier import SELF_FORCING, TierConfig, self_forcing_h2d
+    from streamkv_lab.experiments.tier import SELF_FORCING, TierConfig, self_forcing_h2d
 
     stream = _tiny_video_stream()
     cfg = TwoTierConfig(policy="tova", sink=2, window=46, recall_slots=48, tau=0.05)
@@ -280,8 +280,8 @@ def test_quarter_tier_timed_against_the_full_cache():
     """``run_quarter``: the full cache, the ring and TOVA at a quarter of its bytes and the compressed
     tier at the same bytes, uncertified and certified, in one run; the certified run has 0
     violations and the uncertified one certifies nothing; the tier's bytes stay within the quarter."""
-    from streamkv.lab.experiments.tier import TierConfig, run_quarter
-    from streamkv.lab.experiments.twotier import _full_attention, _probs, video_stream
+    from streamkv_lab.experiments.tier import TierConfig, run_quarter
+    from streamkv_lab.experiments.twotier import _full_attention, _probs, video_stream
 
     s = video_stream(frames=32, layers=1)
     fulls, vranges = zip(*(_full_attention(s, 0),))

@@ -13,13 +13,13 @@ import torch
 
 from conftest import assert_same_state, snapshot
 from streamkv.caches import CacheSet
-from streamkv.lab.video import data, metrics
-from streamkv.lab.video.attention_stats import AttentionProfile
-from streamkv.lab.video.toy import (
+from streamkv_lab.video import data, metrics
+from streamkv_lab.video.attention_stats import AttentionProfile
+from streamkv_lab.video.toy import (
     CHECK_FRAMES, EXPECTED, METADATA, PROMPT, SCHEDULE, WEIGHTS, check_rollout, load_model, toy_config,
     training_horizon,
 )
-from streamkv.lab.video.train import TrainConfig, noised_batch, teacher_forcing_mask, train
+from streamkv_lab.video.train import TrainConfig, noised_batch, teacher_forcing_mask, train
 from streamkv.models import CausalVideoDiT
 from streamkv.rollout import StreamingRollout
 
@@ -198,7 +198,7 @@ def test_trained_ring_stream_equals_the_chronological_path_in_float64():
     """The demo's ring and chronological streams differ by up to ~2e-3 in float32 after 30
     generated frames (summation order, amplified through the feedback of generation); in
     float64 the same long, evicting stream agrees to rounding: the ring is exact."""
-    from streamkv.lab.video.toy import stream
+    from streamkv_lab.video.toy import stream
 
     model = load_model().double()
     rgb = data.make_clip(31_337, 0, 24)[2]
@@ -260,14 +260,14 @@ def test_attention_profile_masses_sum_to_one_and_classes_are_right():
 
 # ---------------------------------------------------------------------- pipelines, short
 def test_video_eval_pipeline_on_a_short_stream(tmp_path):
-    from streamkv.lab.video.evaluate import EvalConfig, evaluate
-    from streamkv.lab.video.report import plot_eval
+    from streamkv_lab.video.evaluate import EvalConfig, evaluate
+    from streamkv_lab.video.report import plot_eval
 
     model = load_model()
     cfg = EvalConfig(clips=1, frames=12, capacities=(6,), horizon=8)
     res = evaluate(model, cfg)
     assert res["chronological_vs_ring_max_abs_diff"]["value"] <= 1e-5
-    from streamkv.lab.kinds import compared_kinds
+    from streamkv_lab.kinds import compared_kinds
 
     assert set(res["caches"]) == set(compared_kinds())  # every registered kind, with no edit to the lab
     for kind, per in res["caches"].items():
@@ -284,7 +284,7 @@ def test_video_eval_pipeline_on_a_short_stream(tmp_path):
 def test_video_demo_writes_gifs(tmp_path):
     from PIL import Image
 
-    from streamkv.lab.video.demo import video_demo
+    from streamkv_lab.video.demo import video_demo
 
     res = video_demo(tmp_path, frames=8)
     assert res["ring_vs_chronological_max_abs_diff"] <= 1e-5
@@ -295,8 +295,8 @@ def test_video_demo_writes_gifs(tmp_path):
 
 
 def test_video_eval_streams_every_position_map_past_the_window():
-    from streamkv.lab.video.evaluate import EvalConfig, evaluate
-    from streamkv.lab.video.positions import long_stream_maps
+    from streamkv_lab.video.evaluate import EvalConfig, evaluate
+    from streamkv_lab.video.positions import long_stream_maps
 
     cfg = EvalConfig(clips=1, frames=8, capacities=(6,), kinds=("ring",), horizon=6, position_clips=1,
                      position_factor=2, oracle_taus=())

@@ -8,7 +8,8 @@
 
 See ``docs/ARCHITECTURE.md`` for the layers, vocabulary and invariants. The names below
 are imported on first use, so ``import streamkv`` (and ``streamkv --help``) does not
-import torch. The lab (experiments, benchmarks, the CLI) lives in :mod:`streamkv.lab`.
+import torch. The command-line lab (demo, benchmarks, experiments) is the separate
+distribution ``streamkv-lab``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "CacheLayout": "streamkv.layout",

@@ -132,8 +132,9 @@ class KVRead:
         return own + self.extras() if self.extras is not None else own
 
     def _kept(self) -> dict | None:
-        """The memo of this read's current positions (None in a compiled step: traced each call)."""
-        if self.generation is None or torch.compiler.is_compiling():
+        """The memo of this read's current positions (None in a compiled step: traced each call; and
+        for inference tensors, which keep no version counter to tell a change by)."""
+        if self.generation is None or torch.compiler.is_compiling() or self.positions.is_inference():
             return None
         version = self.positions._version  # bumped by any in-place change (recall slots filled, a load)
         if self._memo.get("version") != version:

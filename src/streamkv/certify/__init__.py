@@ -13,7 +13,7 @@ recall from an offload tier when the bound exceeds a threshold.
 - :mod:`~streamkv.certify.shadow` — :class:`HistoryCheck`, the whole-history float64
   reference that checks every certificate.
 
-The experiments behind ``streamkv certify`` live in :mod:`streamkv.lab.experiments.certify`.
+The experiments behind ``streamkv certify`` live in :mod:`streamkv_lab.experiments.certify`.
 
 Prior art: the per-channel min/max key box and its logit bound are Quest's page metadata
 (Tang et al., ICML 2024, arXiv 2406.10774), used there to rank pages for sparse reads. What

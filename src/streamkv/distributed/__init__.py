@@ -9,7 +9,7 @@ per-rank caches.
   ``torchrun`` (``env://``).
 
 The comparison of context-parallel rollouts against one process is an experiment
-(:mod:`streamkv.lab.experiments.cp_compare`).
+(:mod:`streamkv_lab.experiments.cp_compare`).
 
 Branches: a rank's caches hold its ``H/N`` heads, so ``StreamingRollout.fork`` on every rank
 (same arguments, the same noise everywhere) forks each rank's own head shard: each rank's pool

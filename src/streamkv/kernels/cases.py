@@ -19,6 +19,9 @@ and fractional ones; page tables; rows outside the cache's slots (a tier) beside
 query row that sees the tier's rows only;
 other layouts; decoding split over programs; hidden rows holding NaN; a row that sees nothing;
 a scored quantised cache's own plan.
+
+Why one module: the registry, the float64 reference and the comparison are one test oracle that
+two callers (the interpreter tests and the GPU script) import whole.
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ device data read by the kernels; tile sizes and splits depend on shapes only. Th
 are the outputs and, with several parts, the parts' workspace (``parts x rows x Dv``), from
 torch's allocator (a captured graph's pool). The kernels compile on first use: warm up before
 capturing.
+
+Why one module, and why this long: the launch plan, its refusals and the rounding contract above
+are one specification of one read; split, each half would restate the other.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ CONFIGS: dict[str, DiTConfig] = {
         name="small", dim=256, heads=4, ffn=512, layers=2, text_dim=64, text_len=16,
         latent_h=24, latent_w=40, frames_per_chunk=3, window_frames=21, sink_frames=0, max_frames=1024,
     ),
-    # the trained toy (streamkv.lab.video): 16x16 RGB pixels as the latent (3 channels), 4x4
+    # the trained toy (streamkv_lab.video): 16x16 RGB pixels as the latent (3 channels), 4x4
     # patches -> a 4x4 grid of tokens per frame, 2-frame chunks; the default cache holds the
     # first chunk as a sink and a 6-frame window; trained on 16-frame clips (max_frames: long
     # demos); RoPE base 100: on a 4x4 grid Wan's 10000 leaves one usable spatial frequency
