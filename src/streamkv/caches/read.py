@@ -169,7 +169,7 @@ class KVRead:
         S, ha = self.dims.slots, self.dims.head_axis
         out = []
         for which in (0, 1):
-            dest = None
+            dest, rows = None, []
             for seg in segs:
                 slots = seg.slot_index()
                 if slots is None:
@@ -180,11 +180,18 @@ class KVRead:
                     x = x @ basis.to(x.dtype)
                 if dest is None:
                     dest = torch.zeros((*x.shape[:-2], S + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
-                idx = torch.where(slots >= 0, slots, S)  # [H, n]; rows of no slot go to a spare row
-                shape = [1] * (x.dim() - 2) + [idx.shape[-1], 1]
-                if ha is not None:
-                    shape[ha] = idx.shape[0]
-                dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x)
+                rows.append((x, slots, seg.positions.expand_as(slots) >= 0))
+            # Two segments may name one slot (a quantised store's codes and its full-precision row of
+            # a hot slot: only the hot row holds the slot's token, the code row is stale). Rows that
+            # hold a position are scattered last, so a slot reads the row that holds its token; rows of
+            # no slot go to a spare row.
+            for held_pass in (False, True):
+                for x, slots, held in rows:
+                    idx = torch.where((slots >= 0) & (held == held_pass), slots, S)  # [H, n]
+                    shape = [1] * (x.dim() - 2) + [idx.shape[-1], 1]
+                    if ha is not None:
+                        shape[ha] = idx.shape[0]
+                    dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x)
             out.append(self.dims.from_attention(dest[..., :S, :]))
         return out[0], out[1]
 
