@@ -338,3 +338,28 @@ def test_the_position_map_state_is_per_branch_and_moves_with_the_stream():
     with pytest.raises(ValueError, match="rope_state"):
         moved.load_state_dict(state)
     assert moved.rope_at_read.current.name == "block_relative"
+
+
+def test_a_reset_or_a_load_forgets_kept_boundaries_and_needs_no_page_for_them():
+    """Pages shared only with this cache's own kept boundaries (``history=``) need no copy before a
+    reset or a load writes every page: the change forgets those boundaries first. Neither is refused
+    for lack of free pages, and nothing leaks."""
+    rng = random.Random("reset-history")
+    c = _build("ring", pages={"history": 2, "spare": 2})
+    ref = _build("ring")
+    for _ in range(5):
+        d = _data(rng)
+        _step(c, d), _step(ref, d)
+    pool = c.storage.store.table.pool
+    assert pool.free < len(c.storage.store.table.host)  # copying every page would not fit
+    state = ref.state_dict()
+    c.load_state_dict(state)
+    assert c.rewind_chunks == [] and pool.used == len(c.storage.store.table.host)
+    d = _data(rng)
+    assert torch.allclose(_step(c, d), _step(ref, d), rtol=0, atol=1e-12)
+    _step(c, _data(rng))  # keeps boundaries again
+    c.reset()
+    assert c.end == 0 and c.rewind_chunks == [] and pool.used == len(c.storage.store.table.host)
+    fresh = _build("ring")
+    d = _data(rng)
+    assert torch.allclose(_step(c, d), _step(fresh, d), rtol=0, atol=1e-12)

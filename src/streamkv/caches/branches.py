@@ -169,6 +169,12 @@ class Branches:
             self.cache.storage.store.drop_snapshot(b.store)
         self.boundaries = []
 
+    def kept_pages(self) -> list[int]:
+        """The physical pages the kept boundaries reference (one entry per reference): what
+        :meth:`forget` drops, so a reset or a load that forgets them copies no page shared only
+        with them."""
+        return [p for b in self.boundaries for p in b.store["pages"]]
+
     def release(self) -> None:
         """Give the pages back; every read and step made before, and every later call, is refused."""
         self.cache.checks.alive("release()")

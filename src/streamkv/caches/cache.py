@@ -385,7 +385,7 @@ class KVCache:
     def prepare_reset(self) -> Step:
         """Check and let the observers veto :meth:`reset`; nothing changes until the step runs."""
         self.checks.mutable("reset")
-        own = self.storage.store.prepare_writes("all", "a reset")
+        own = self.storage.store.prepare_writes("all", "a reset", self.branches.kept_pages())  # forgets them first
         change = Change(self, "reset")
         actions = self._observers.prepare(change)
 
@@ -498,7 +498,7 @@ class KVCache:
         """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).
         ``occupancy`` (default :meth:`occupancy`) may be forced to ``"mask"`` for static shapes;
         ``"all"``/``"prefix"`` where they would read an empty slot are refused (``ValueError``).
-        The read is valid until the next begin, commit, reset or load."""
+        The read is valid until the next begin, commit, reset, load, rewind or release."""
         layer = self.checks.layer(layer)
         return self.reads.read(layer, self.checks.occupancy(occupancy, self.reads.occupancy))
 
@@ -550,7 +550,7 @@ class KVCache:
     def prepare_load(self, state: dict[str, Any]) -> Step:
         """Validate ``state`` and let the observers veto the load; nothing changes until the step runs."""
         counters = self.states.validate(state)
-        own = self.storage.store.prepare_writes("all", "a state-dict load")
+        own = self.storage.store.prepare_writes("all", "a state-dict load", self.branches.kept_pages())
         change = Change(self, "load", state=state)
         actions = self._observers.prepare(change)
 

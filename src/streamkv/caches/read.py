@@ -66,7 +66,7 @@ class KVRead:
         name: ``"<kind> layer <i>"``, for messages.
         source: ``source(positions)`` gives the store's segments, whose slots hold ``positions``.
         generation, lifecycle: the lifecycle generation the read was made in; a read kept
-            across a begin, commit, reset or load is refused (:meth:`check_current`). None in a
+            across a begin, commit, reset, load, rewind or release is refused (:meth:`check_current`). None in a
             compiled step (traced reads are rebuilt every call).
         rope_at_read: None when keys are stored as attended; else the cache's
             :class:`~streamkv.rope_at_read.RopeAtRead`: raw keys, rotated with the queries by
