@@ -55,6 +55,46 @@ def test_codec_within_its_bound(fmt):
         assert f.bytes_per_token(32, group) == codes[0, 0].numel() + (0 if scale is None else 2 * scale[0, 0].numel())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_codec_bound_holds_for_float64_tiny_and_midpoint_values(fmt):
+    """The bound is of the value given, never below the truth: a float64 value just above a format
+    midpoint (rounded to float32 onto the midpoint, then ties-to-even the other way: two roundings),
+    fp8's float32 quotient ``x / s`` likewise, and groups of subnormal values (whose scale once
+    underflowed to 0, a bound of 0)."""
+    f = KV_FORMATS[fmt]
+    g = torch.Generator().manual_seed(2)
+    mid = torch.tensor([1 + 2**-8 + 2**-30, 1 + 2**-4 + 2**-30, 1 + 2**-7 + 2**-31, -(1 + 2**-8 + 2**-30)],
+                       dtype=torch.float64)
+    x64 = torch.cat([mid, torch.tensor([448.0, 0.0, 1.0, -3.0], dtype=torch.float64)]).repeat(4, 1)
+    x64 = x64 * torch.tensor([1.0, 2.0**-20, 3.0, 2.0**40], dtype=torch.float64).view(-1, 1)
+    tiny = torch.randn(16, 8, generator=g) * 1e-42
+    for x, group in ((x64, 8), (x64, 4), (tiny, 8), (tiny, 2)):
+        codes, scale = f.encode(x, group)
+        xh = f.decode(codes, scale, 8, group).double()
+        bound = f.error_bound(codes, scale, 8, group).double()
+        err = (x.double() - xh).abs()
+        assert bool((err <= bound).all()), (group, (err - bound).max())
+        if f.scaled:  # every scale is at least absmax / k: positive wherever the group holds a non-zero
+            nz = x.reshape(*x.shape[:-1], -1, group).abs().amax(-1) > 0
+            assert bool((scale.float()[nz] > 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_a_float64_cache_bounds_its_stored_values(fmt):
+    """A float64 cache's codes are of its values rounded to float32 first: ``error_bounds`` covers
+    both roundings (a value just above a format midpoint once stored 2^-30 outside its bound)."""
+    c = KVCache((1, 4, 1, 4), (1, 4, 1, 4), seq_dim=1, sink=0, window=4, chunk=1, policy="ring",
+                dtype=torch.float64, quant=KVQuant(fmt))
+    k = torch.zeros(1, 1, 1, 4, dtype=torch.float64)
+    k[..., 0] = 1 + 2**-8 + 2**-30 if fmt == "bf16" else 1 + 2**-4 + 2**-30
+    k[..., 1] = 448.0  # fp8: the scale is 1, so x / s is the value itself
+    c.begin_chunk(0), c.write(k, k, 0), c.commit_chunk(0)
+    c.begin_chunk(1), c.write(k, k, 0)  # position 0 is now read from its codes
+    err = (k[0, 0, 0] - c.keys(0)[0, 0, 0].double()).abs()
+    bound = c.storage.store.error_bounds(0, "k", torch.tensor([0]))[0, 0, 0].double()
+    assert err[0] > 0 and bool((err <= bound).all())
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_bytes_per_token_targets(dim):
     """Codes + scales per token against bfloat16 (the issue's targets: int8 <= 0.52x, int4 <= 0.28x)."""
