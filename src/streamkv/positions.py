@@ -38,7 +38,8 @@ Parameters that change during a stream (the cut of ``block_relative``, the origi
 between the maps of one :class:`~streamkv.rope_at_read.RopeAtRead`, writes a device scalar and
 recompiles nothing.
 
-Why this long: the table of published position rules and their sources is the registry's documentation.
+Why one module (and this long): the table of published position rules and their sources is the
+registry's documentation, and a map's kind, parameters and state live with it.
 """
 
 from __future__ import annotations
