@@ -298,3 +298,25 @@ def test_stored_reads_every_held_slot_as_the_cache_holds_it(kind, quant, paged):
         assert torch.equal(ks[held], c.keys(0)[held]) and torch.equal(vs[held], c.values(0)[held]), t
         attend(q, r)
         c.commit_chunk(c.next_chunk - 1)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
+def test_bounds_in_a_hadamard_basis_cover_the_rotation_rounding(fmt):
+    """Codes in a Hadamard basis are of ``fl32(x) @ R.T`` (a float32 product); the certificate needs
+    the bound against the exact ``x @ R.T``: ``error_bounds`` charges the product's rounding (a value
+    that rotates to about 0 once had a bound of its own size and an error of float32 rounding size)."""
+    D, n = 64, 24
+    c = KVCache((1, n, 1, D), (1, n, 1, D), seq_dim=1, sink=0, window=n, chunk=n, policy="ring",
+                dtype=torch.float64, quant=KVQuant(fmt, basis="hadamard", sinks=False))
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(1, n, 1, D, generator=g, dtype=torch.float64)
+    y[..., 5] = 1e-9  # a channel about 0 in the basis: the float32 product's rounding is all its error
+    x = y @ hadamard(D).double()  # x @ R.T = y (R orthogonal)
+    c.begin_chunk(0), c.write(x, x, 0), c.commit_chunk(0)
+    c.begin_tokens(1)  # every slot but the one about to be written is now read from its codes
+    r = hadamard(D).double()
+    slots = torch.arange(1, n)
+    stored = c.keys(0).double()[:, slots] @ r.T  # the codes' values, in the basis
+    err = (x[:, slots] @ r.T - stored).abs()
+    bound = c.storage.store.error_bounds(0, "k", slots).double()
+    assert bool((err <= bound).all()), (err - bound).max()
