@@ -105,7 +105,9 @@ class Branches:
         pol = make_policy(c.policy)
         rope = c.rope_at_read
         if rope is not None:  # the map in use and its parameters are stream state: a copy per branch
-            rope = ropes.setdefault(id(rope), rope.fork())
+            if id(rope) not in ropes:
+                ropes[id(rope)] = rope.fork()
+            rope = ropes[id(rope)]
         out._assemble(c.layout, pol, c.storage.fork(), rope, self.history)
         for name, t in pol.state().items():
             t.copy_(c.policy.state()[name])
