@@ -363,3 +363,38 @@ def test_a_reset_or_a_load_forgets_kept_boundaries_and_needs_no_page_for_them():
     fresh = _build("ring")
     d = _data(rng)
     assert torch.allclose(_step(c, d), _step(fresh, d), rtol=0, atol=1e-12)
+
+
+def test_a_certifier_on_a_branch_recalls_into_pages_of_its_own():
+    """The same for a Certifier (key sketches, recall) attached to a branch after the fork: its recalls
+    leave the parent's rows as they were, and the branch equals an unpaged certified cache."""
+    from streamkv.certify import Certifier
+
+    B, C, S, W, R, T = 1, 8, 2, 22, 16, 64
+
+    def build(pages):
+        return KVCache((B, S + W, H, 16), (B, S + W, H, 16), policy="tova", seq_dim=1, sink=S, window=W, chunk=C,
+                       recall_slots=R, dtype=torch.float32, pages=pages, **params("tova"))
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(B, 1, H, 16, generator=g)
+    q = torch.randn(B, T, H, 16, generator=g) + 2 * base
+    k = torch.randn(B, T, H, 16, generator=g) + base * torch.rand(B, T, 1, 1, generator=g) * 3
+    v = torch.randn(B, T, H, 16, generator=g)
+
+    def chunk(cache, c):
+        s = slice(c * C, (c + 1) * C)
+        cache.begin_tokens(C)
+        out = attend(q[:, s], cache.layer(0).update(k[:, s], v[:, s], q[:, s]), causal=True)[0]
+        cache.commit()
+        return out
+
+    parent, ref = build({"spare": 40}), build(None)
+    chunk(parent, 0), chunk(ref, 0)
+    (branch,) = parent.fork()
+    held = parent.keys(0).clone()
+    certs = [Certifier(x, sketch_bits=8, recall_tau=0.01, causal=True) for x in (branch, ref)]
+    for c in range(1, T // C):
+        assert torch.equal(chunk(branch, c), chunk(ref, c)), c
+    assert certs[0].stats["recalled_tokens"] > 0
+    assert torch.equal(parent.keys(0), held)
