@@ -138,7 +138,8 @@ def test_a_read_or_step_made_before_a_release_is_refused():
 
 def test_a_prepared_step_runs_once_and_only_where_it_was_planned():
     """``prepare_begin`` returns a step: a second run, or a run after another change moved the
-    cache, is refused (nothing changes: no page taken twice, no reservation below zero)."""
+    cache, or after a fork shared its pages (its copy on write planned nothing), is refused (nothing
+    changes: no page taken twice, no reservation below zero, no write into a branch's pages)."""
     gen = torch.Generator().manual_seed(4)
     root = KVCache((1, S + W, H, D), (1, S + W, H, D), policy="ring", seq_dim=1, sink=S, window=W, chunk=C,
                    dtype=torch.float64, pages={"spare": 4})
@@ -153,6 +154,16 @@ def test_a_prepared_step_runs_once_and_only_where_it_was_planned():
     with pytest.raises(RuntimeError, match="already ran"):
         step.run()
     assert (pool.used, pool.reserved, root.end) == (used, 0, end)
+    root.commit_chunk(root.next_chunk - 1)
+    planned = root.prepare_begin(root.next_chunk)  # nothing shared now: its copy on write plans nothing
+    (other,) = root.fork()  # now every page is shared
+    held = other.keys(0).clone()
+    with pytest.raises(RuntimeError, match="planned before this cache was forked"):
+        planned.run()
+    assert not root.is_open
+    root.begin_chunk(root.next_chunk)  # planned again: copies on write
+    root.write(torch.full((1, C, H, D), 9.0, dtype=torch.float64), torch.full((1, C, H, D), 9.0, dtype=torch.float64))
+    assert torch.equal(other.keys(0), held)
     cache = _cache("tova")
     for c in range(4):
         _chunk(cache, c, gen)

@@ -97,7 +97,9 @@ class Branches:
         shared one RopeAtRead share one copy of it in each branch, as they did before."""
         n = self.check_fork(n)
         ropes = [{} for _ in range(n)] if ropes is None else ropes
-        return [self._branch(r) for r in ropes]
+        out = [self._branch(r) for r in ropes]
+        self.cache.lifecycle.forks += 1  # a step planned before would write pages the branches share
+        return out
 
     def _branch(self, ropes: dict[int, Any]) -> KVCache:
         c = self.cache

@@ -245,7 +245,7 @@ class KVCache:
         was planned (a step planned before another begin, commit, reset, load, rewind or release
         would apply slots, positions and pages that no longer hold): refused otherwise, nothing
         changed. Then the observers are told."""
-        planned, ran = self.lifecycle.generation, []
+        planned, ran = self.lifecycle.plan_epoch, []
 
         def check() -> None:
             if ran:

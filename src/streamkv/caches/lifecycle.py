@@ -29,6 +29,9 @@ class Lifecycle:
         self.is_open = False
         self.generation = 0
         self.released = False
+        #: forks made of this cache: a fork shares its pages, so a step planned before (its copy on
+        #: write found nothing shared) would write pages a branch now holds
+        self.forks = 0
         self._arange = torch.arange(layout.chunk, dtype=torch.long, device=device)
         self._positions = self._arange.clone()  # device [chunk]: positions of the span's rows
 
@@ -97,12 +100,22 @@ class Lifecycle:
                 f"read update() returns)"
             )
 
-    def check_plan(self, generation: int, what: str) -> None:
-        """Raise ``RuntimeError`` unless the cache is where it was when a step was planned at ``generation``
-        (``what`` names the step): a step planned before another change would apply a plan of slots,
-        positions and pages that no longer hold."""
+    @property
+    def plan_epoch(self) -> tuple[int, int]:
+        """What a step remembers when it is planned (:meth:`check_plan`)."""
+        return self.generation, self.forks
+
+    def check_plan(self, epoch: tuple[int, int], what: str) -> None:
+        """Raise ``RuntimeError`` unless the cache is where it was when a step was planned at ``epoch``
+        (:attr:`plan_epoch`; ``what`` names the step): a step planned before another change would
+        apply a plan of slots, positions and pages that no longer hold, and one planned before a fork
+        would write pages the branches now share (its copy on write was planned without them)."""
+        generation, forks = epoch
         if self.released:
             raise RuntimeError(f"{what}: the cache was released after the step was planned; nothing changed")
+        if forks != self.forks:
+            raise RuntimeError(f"{what} was planned before this cache was forked: its pages are shared now and the "
+                               f"step's copy on write did not plan for it; prepare it again (nothing changed)")
         if generation != self.generation:
             raise RuntimeError(f"{what} was planned before the cache's last begin, commit, reset, load or rewind: "
                                f"its plan no longer matches the cache; prepare it again (nothing changed)")
