@@ -61,3 +61,28 @@ def test_under_a_dispatch_mode_the_eager_ops_run(monkeypatch):
     with Count():
         got = (codec.decode_as(codes, scale, 16, 16, torch.bfloat16), rot.rotate_as(x, cos, sin))
     assert Count.ops > 0 and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.slow  # two compiles (about 10 s on 2 cores)
+def test_a_paged_chronological_cache_writes_under_fullgraph_compile():
+    """A chronological cache writes at host offsets through its page table (``PageTable.ranges``):
+    traceable with ``fullgraph=True`` when the offset recompiles as a dynamic int (``divmod`` of
+    SymInts was refused), equal to an unpaged cache."""
+    from streamkv import KVCache
+    from streamkv.attention import attend
+
+    def build(pages):
+        return KVCache((1, 10, 2, 8), (1, 10, 2, 8), seq_dim=1, sink=2, window=8, chunk=2, policy="chronological",
+                       pages=pages)
+
+    a, ref = build({"spare": 4}), build(None)
+    step = torch.compile(lambda q, k: attend(q, a.layer(0).update(k, k, q, occupancy="mask"))[0], backend="eager",
+                         fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for c in range(2):  # chunk 1's offset recompiles as a dynamic int
+        q, k = (torch.randn(1, 2, 2, 8, generator=g) for _ in range(2))
+        a.begin_chunk(c), ref.begin_chunk(c)
+        out = step(q, k)
+        assert torch.allclose(out, attend(q, ref.layer(0).update(k, k, q, occupancy="mask"))[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(a.keys(0), ref.keys(0))
+        a.commit_chunk(c), ref.commit_chunk(c)

@@ -226,3 +226,175 @@ def test_an_edited_or_mismatched_stream_is_refused():
         _build("tova").import_stream(c.export_stream())
     after = other.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in after if isinstance(after[k], torch.Tensor))
+
+
+def test_recall_after_a_fork_writes_pages_of_its_own():
+    """A compressed tier attached after a fork (parent and branch alike) recalls into recall slots whose
+    pages the branches share: each recall copies them on write first, so each stream equals an
+    unpaged cache with its own tier, and neither changes the other's rows."""
+    from streamkv.certify.tier import CompressedTier
+
+    B, C, S, W, R = 1, 8, 2, 22, 16
+
+    def build(pages):
+        return KVCache((B, S + W, H, 16), (B, S + W, H, 16), policy="tova", seq_dim=1, sink=S, window=W, chunk=C,
+                       recall_slots=R, dtype=torch.float32, pages=pages, **params("tova"))
+
+    def stream(seed, T=64):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randn(B, 1, H, 16, generator=g)
+        q = torch.randn(B, T, H, 16, generator=g) + 2 * base
+        k = torch.randn(B, T, H, 16, generator=g) + base * torch.rand(B, T, 1, 1, generator=g) * 3
+        return q, k, torch.randn(B, T, H, 16, generator=g)
+
+    def chunk(cache, s, c):
+        q, k, v = (x[:, c * C:(c + 1) * C] for x in s)
+        cache.begin_tokens(C)
+        out = attend(q, cache.layer(0).update(k, v, q), causal=True)[0]
+        cache.commit()
+        return out
+
+    a, b = stream(0), stream(1)
+    parent, ref_a, ref_b = build({"spare": 40}), build(None), build(None)
+    for x in (parent, ref_a, ref_b):
+        chunk(x, a, 0)
+    (branch,) = parent.fork()
+    tiers = [CompressedTier(x, fmt="int4", capacity=16, block=8, recall_tau=0.01, causal=True)
+             for x in (parent, branch, ref_a, ref_b)]
+    for c in range(1, 8):
+        assert torch.equal(chunk(parent, a, c), chunk(ref_a, a, c)), c
+        assert torch.equal(chunk(branch, b, c), chunk(ref_b, b, c)), c
+    assert tiers[0].stats["recalled_tokens"] and tiers[1].stats["recalled_tokens"]  # both recalled
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_reopening_the_last_chunk_on_a_fresh_branch_equals_an_independent_cache(kind, quant):
+    """A branch's first call reopens the chunk its parent committed last: the branch's host state
+    (write ranges, offsets) is its parent's, so it rewrites that chunk's slots, not the sinks."""
+    rng = random.Random(f"reopen-{kind}-{quant}")
+    root, ref = _build(kind, quant=quant, pages=True), _build(kind, quant=quant)
+    for _ in range(5):
+        d = _data(rng)
+        _step(root, d), _step(ref, d)
+    (branch,) = root.fork()
+    last = branch.next_chunk - 1
+    q, k, v = _data(rng)
+    outs = []
+    for x in (branch, ref):
+        x.begin_chunk(last)
+        outs.append(attend(q, x.layer(0).update(k, v, q))[0])
+        x.commit_chunk(last)
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12)
+    _same(branch, ref)
+    d = _data(rng)
+    assert torch.allclose(_step(branch, d), _step(ref, d), rtol=0, atol=1e-12)
+
+
+def _two_map_rope():
+    return RopeAtRead(Rope1D(D), ["sliding_sinks", position_map("block_relative", horizon=SINK + WINDOW)])
+
+
+def _cut(cache):
+    cache.rope_at_read.use("block_relative")
+    cache.rope_at_read.map("block_relative").set(cut=3)
+
+
+def test_the_position_map_state_is_per_branch_and_moves_with_the_stream():
+    """The map in use and its dynamic parameters (a RoPE cut) are stream state: a branch that cuts
+    moves no other branch; an exported stream, a loaded state dict and a rewind restore them (a
+    state of another map state is refused by a cache whose maps cannot take it)."""
+    rng = random.Random("rope-state")
+    root = _build("ring", pages={"history": 4, "spare": 16}, rope=_two_map_rope())
+    ref = _build("ring", rope=_two_map_rope())
+    for _ in range(3):
+        d = _data(rng)
+        _step(root, d), _step(ref, d)
+    (branch,) = root.fork()
+    assert branch.rope_at_read is not root.rope_at_read
+    _cut(branch)  # the branch cuts to a new scene: the root keeps its map
+    assert root.rope_at_read.current.name == "sliding_sinks"
+    d = _data(rng)
+    assert torch.allclose(_step(root, d), _step(ref, d), rtol=0, atol=1e-12)
+    # the cut stream, exported and loaded, continues as the branch does
+    blob = branch.export_stream()
+    moved = _build("ring", rope=_two_map_rope())
+    moved.import_stream(blob)
+    assert moved.rope_at_read.current.name == "block_relative"
+    assert moved.rope_at_read.map("block_relative").settings == {"cut": 3}
+    d = _data(rng)
+    assert torch.allclose(_step(branch, d), _step(moved, d), rtol=0, atol=1e-12)
+    # a rewind to before the cut restores the map then in use
+    at = root.end // CHUNK
+    _cut(root)
+    _step(root, _data(rng))
+    root.rewind(at)
+    assert root.rope_at_read.current.name == "sliding_sinks"
+    d = _data(rng)
+    assert torch.allclose(_step(root, d), _step(ref, d), rtol=0, atol=1e-12)
+    # a state naming a map this cache does not hold is refused, nothing changed
+    state = branch.state_dict()
+    state["rope_state"] = {**state["rope_state"], "map": "absolute"}
+    with pytest.raises(ValueError, match="rope_state"):
+        moved.load_state_dict(state)
+    assert moved.rope_at_read.current.name == "block_relative"
+
+
+def test_a_reset_or_a_load_forgets_kept_boundaries_and_needs_no_page_for_them():
+    """Pages shared only with this cache's own kept boundaries (``history=``) need no copy before a
+    reset or a load writes every page: the change forgets those boundaries first. Neither is refused
+    for lack of free pages, and nothing leaks."""
+    rng = random.Random("reset-history")
+    c = _build("ring", pages={"history": 2, "spare": 2})
+    ref = _build("ring")
+    for _ in range(5):
+        d = _data(rng)
+        _step(c, d), _step(ref, d)
+    pool = c.storage.store.table.pool
+    assert pool.free < len(c.storage.store.table.host)  # copying every page would not fit
+    state = ref.state_dict()
+    c.load_state_dict(state)
+    assert c.rewind_chunks == [] and pool.used == len(c.storage.store.table.host)
+    d = _data(rng)
+    assert torch.allclose(_step(c, d), _step(ref, d), rtol=0, atol=1e-12)
+    _step(c, _data(rng))  # keeps boundaries again
+    c.reset()
+    assert c.end == 0 and c.rewind_chunks == [] and pool.used == len(c.storage.store.table.host)
+    fresh = _build("ring")
+    d = _data(rng)
+    assert torch.allclose(_step(c, d), _step(fresh, d), rtol=0, atol=1e-12)
+
+
+def test_a_certifier_on_a_branch_recalls_into_pages_of_its_own():
+    """The same for a Certifier (key sketches, recall) attached to a branch after the fork: its recalls
+    leave the parent's rows as they were, and the branch equals an unpaged certified cache."""
+    from streamkv.certify import Certifier
+
+    B, C, S, W, R, T = 1, 8, 2, 22, 16, 64
+
+    def build(pages):
+        return KVCache((B, S + W, H, 16), (B, S + W, H, 16), policy="tova", seq_dim=1, sink=S, window=W, chunk=C,
+                       recall_slots=R, dtype=torch.float32, pages=pages, **params("tova"))
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(B, 1, H, 16, generator=g)
+    q = torch.randn(B, T, H, 16, generator=g) + 2 * base
+    k = torch.randn(B, T, H, 16, generator=g) + base * torch.rand(B, T, 1, 1, generator=g) * 3
+    v = torch.randn(B, T, H, 16, generator=g)
+
+    def chunk(cache, c):
+        s = slice(c * C, (c + 1) * C)
+        cache.begin_tokens(C)
+        out = attend(q[:, s], cache.layer(0).update(k[:, s], v[:, s], q[:, s]), causal=True)[0]
+        cache.commit()
+        return out
+
+    parent, ref = build({"spare": 40}), build(None)
+    chunk(parent, 0), chunk(ref, 0)
+    (branch,) = parent.fork()
+    held = parent.keys(0).clone()
+    certs = [Certifier(x, sketch_bits=8, recall_tau=0.01, causal=True) for x in (branch, ref)]
+    for c in range(1, T // C):
+        assert torch.equal(chunk(branch, c), chunk(ref, c)), c
+    assert certs[0].stats["recalled_tokens"] > 0
+    assert torch.equal(parent.keys(0), held)

@@ -179,3 +179,59 @@ def test_keys_stored_in_a_basis_and_rotated_at_read(fmt):
         want = blockwise_attention(qr, keys, cache.values(0).transpose(1, 2), bias, scale=8**-0.5).out.transpose(1, 2)
         assert torch.allclose(out, want, rtol=1e-9, atol=1e-9), (c, (out - want).abs().max())
         cache.commit_chunk(c)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_non_finite_row_hidden_from_every_query_weighs_nothing(fused, monkeypatch):
+    """A stale row in an empty or evicted slot may hold NaN (a NaN value the commit accepted, then
+    evicted): hidden from every query, it weighs nothing (``where``, not a weight of 0 times NaN) in
+    the fused CPU kernel and in the plain block alike; a held row is attended as stored."""
+    import streamkv.blockread as br
+
+    if not fused:
+        monkeypatch.setattr(br, "_FUSED_CPU", None)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, H, 2, D, generator=g, dtype=torch.float64)
+    k, v = torch.randn(1, H, 4, D, generator=g, dtype=torch.float64), torch.randn(1, H, 4, D, generator=g,
+                                                                                  dtype=torch.float64)
+    k[..., 1, :], v[..., 1, :] = float("nan"), float("inf")  # slot 1: empty (position -1), stale non-finite
+    v[..., 3, 0] = float("nan")  # slot 3: position 9, held: seen by the second query (causal)
+    pos = torch.tensor([[5, -1, 6, 9]]).expand(H, -1)
+    dims = Dims((1, 4, H, D), (1, 4, H, D), seq=1, head=2, slots=4, chunk=2)
+    for causal, qpos in ((False, None), (True, torch.tensor([9, 9]))):
+        plan = BlockPlan(_segments(k, v, pos, []), dims, 0.5, qpos, causal, None, None, None, 4, block=4)
+        out = read_blocks(q, plan).out
+        held = torch.tensor([0, 2, 3])
+        p = ((q @ k[..., held, :].transpose(-1, -2)) * 0.5).softmax(-1)
+        want = p @ v[..., held, :]  # the held NaN stays in its channel; the stale row adds nothing anywhere
+        assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.isnan(out[..., 0]).all()
+        assert torch.allclose(out[..., 1:], want[..., 1:], rtol=1e-12, atol=1e-12)
+
+
+def test_an_evicted_nan_value_does_not_poison_later_reads():
+    """A mass cache accepts a NaN value (its scores are finite), then evicts it: every later read
+    equals float64 attention over the tokens held (the stale row stays in its empty slot)."""
+    from streamkv import KVCache
+    from streamkv.attention import attend
+
+    g = torch.Generator().manual_seed(1)
+    c = KVCache((1, 7, 2, 4), (1, 7, 2, 4), seq_dim=1, sink=1, window=6, chunk=2, policy="mass",
+                dtype=torch.float64, tau=0.25)
+    checked = 0
+    for _ in range(12):
+        c.begin_tokens(1)
+        q, k, v = (torch.randn(1, 1, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        if c.end - 1 == 6:
+            v[:] = float("nan")
+            k[:] = -9.0 * q
+        out, _ = attend(q, c.layer(0).update(k, v, q))
+        pos = c.layer_slot_positions(0)
+        if not (pos == 6).any():
+            held = (pos >= 0).T[None, :, :, None]
+            keys, values = torch.where(held, c.keys(0), 0), torch.where(held, c.values(0), 0)
+            want = blockwise_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       position_bias(pos, None, torch.float64).unsqueeze(0), scale=0.5).out
+            assert torch.allclose(out, want.transpose(1, 2), rtol=1e-12, atol=1e-12)
+            checked += c.end > 7
+        c.commit()
+    assert checked  # the NaN token entered, was evicted, and later reads were checked

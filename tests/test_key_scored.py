@@ -3,6 +3,8 @@ from a whole-history record of the keys): K-norm keeps the lowest key norms, Key
 least like the mean unit key. Both need no queries: attention may run in any kernel. A control
 flips each rule and is caught; the per-kind properties read the same through every constructor."""
 
+import math
+
 import pytest
 import torch
 
@@ -89,3 +91,32 @@ def test_per_kind_properties_read_the_same_through_every_constructor(kind):
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), prop
     with pytest.raises(AttributeError, match="no attribute 'not_a_property'"):
         plain.not_a_property
+
+
+@pytest.mark.parametrize("kind", ["knorm", "keydiff"])
+def test_a_cache_that_keeps_non_finite_scores_loads_its_own_state(kind):
+    """``check_finite=False`` keeps (and counts) a key whose norm is inf or NaN; the cache's own state
+    dict (an exported stream) then loads back and continues identically. A cache that checks
+    finiteness still refuses such a state."""
+    def build(**kw):
+        return KVCache((1, 7, 2, 4), (1, 7, 2, 4), policy=kind, seq_dim=1, sink=1, window=6, chunk=2, dtype=f64, **kw)
+
+    g = torch.Generator().manual_seed(0)
+    c = build(check_finite=False)
+    for i in range(4):
+        k = torch.randn(1, 2, 2, 4, generator=g, dtype=f64)
+        if i == 1:
+            k[0, 1, 0, 0] = float("inf")  # the newest span: protected, kept by this commit
+        c.begin_chunk(i)
+        c.update(k, k)
+        c.commit_chunk(i)
+        d = build(check_finite=False)
+        d.import_stream(c.export_stream())
+        assert torch.equal(d.slot_positions, c.slot_positions)
+    state = c.state_dict()
+    if not bool(torch.isfinite(state["norms"]).all()):
+        with pytest.raises(ValueError, match="norms must be finite"):
+            build().load_state_dict({**state, "policy": build().state_dict()["policy"]})
+    state["norms"] = torch.full_like(state["norms"], -math.inf)
+    with pytest.raises(ValueError, match="norms"):
+        build(check_finite=False).load_state_dict(state)

@@ -5,6 +5,7 @@ import torch
 
 from conftest import assert_same_state, snapshot
 from streamkv.attention import attend
+from streamkv import KVCache
 from streamkv.caches import CacheSet, MassBudgetCache
 
 S, W, C, H, D = 2, 12, 3, 3, 4
@@ -210,3 +211,27 @@ def test_scores_from_attention_equal_scores_of_the_stored_queries(kind, params):
     ra, rb = a.report(), b.report()
     assert ra["evicted_total"] == rb["evicted_total"] > 0
     assert max(abs(x - y) for x, y in zip(sum(ra["last_dropped_mass_bound"], []), sum(rb["last_dropped_mass_bound"], []))) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mass", "h2o", "tova", "snapkv"])
+def test_a_narrow_cache_with_a_dominant_key_loads_its_own_state(kind, dtype):
+    """One key takes nearly all of a query's attention: in float32 or bfloat16 the read's
+    ``exp(s - lse)`` rounds above 1 (1 + 2**-16 seen). The statistic is a probability: it stays in
+    ``[0, 1]``, so the cache's own state dict loads at every step."""
+    from kinds import params
+
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        c = KVCache((1, 7, 2, 4), (1, 7, 2, 4), policy=kind, seq_dim=1, sink=1, window=6, chunk=2, dtype=dtype,
+                    **params(kind))
+        for t in range(4):
+            q, k, v = (torch.randn(1, 2, 2, 4, generator=g, dtype=dtype) for _ in range(3))
+            k[0, 0] = q[0, 0] * 30
+            c.begin_chunk(t)
+            attend(q, c.layer(0).update(k, v, q))
+            state = c.state_dict()
+            assert float(state["key_max"].max()) <= 1.0
+            KVCache((1, 7, 2, 4), (1, 7, 2, 4), policy=kind, seq_dim=1, sink=1, window=6, chunk=2, dtype=dtype,
+                    **params(kind)).load_state_dict(state)
+            c.commit_chunk(t)

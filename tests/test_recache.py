@@ -143,3 +143,32 @@ def test_a_ring_with_recall_slots_refuses_evicted_positions_and_rewrites_held_on
     assert recache(cache, start, good, good, layer=0) == 2 * H
     slots = [cache.layer_slot_positions(0)[0].tolist().index(p) for p in (start, start + 1)]
     assert torch.equal(cache.keys(0)[:, slots], good) and torch.equal(cache.values(0)[:, slots], good)
+
+
+def test_a_recache_on_a_branch_copies_shared_pages_first():
+    """A paged branch shares its parent's pages: a re-cache writes through its own page table and
+    copies a shared page first (it wrote slot indices as buffer rows, into the parent's pages)."""
+    from streamkv import KVCache
+
+    def build(pages):
+        return KVCache((1, 10, 2, 4), (1, 10, 2, 4), seq_dim=1, sink=2, window=8, chunk=2, policy="ring",
+                       dtype=torch.float64, pages=pages)
+
+    g = torch.Generator().manual_seed(0)
+    parent, ref = build({"history": 2, "spare": 8}), build(None)
+    for c in range(3):
+        k = torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64)
+        for x in (parent, ref):
+            x.begin_chunk(c), x.write(k, k), x.commit_chunk(c)
+    before = parent.keys(0).clone()
+    (branch,) = parent.fork()
+    for c in range(3, 5):
+        k = torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64)
+        for x in (branch, ref):
+            x.begin_chunk(c), x.write(k, k), x.commit_chunk(c)
+    new = torch.full((1, 2, 2, 4), 7.0, dtype=torch.float64)
+    assert recache(branch, 2, new, new) == recache(ref, 2, new, new)
+    assert torch.equal(parent.keys(0), before)  # the parent's pages are untouched
+    assert torch.equal(branch.keys(0), ref.keys(0)) and torch.equal(branch.values(0), ref.values(0))
+    parent.rewind(2)  # a kept boundary's pages are untouched too
+    assert torch.equal(parent.keys(0)[:, :4], before[:, :4])

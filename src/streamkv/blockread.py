@@ -22,9 +22,12 @@ over the blocks of the segments that hold cache slots.
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
 of the keys' size; exact for float32/float64); the statistics pass scores the same rounded keys.
-A key or value that is not finite poisons the reads of the buffer where it lies even while its
-row is hidden (weights of 0 times NaN): quantised storage refuses them at the commit
-(``check_finite``), and a dense store holds what it was given.
+A row hidden from every query of a block (an empty or evicted slot, a masked position) is replaced
+by zeros before it is attended (``where``, not a weight of 0: 0 times NaN is NaN), so a stale
+non-finite key or value in a slot no longer held weighs nothing. A non-finite row that some query
+of the block sees (a held token; or, with ``causal``, a later position of the open span) is
+attended as stored: quantised storage refuses such rows at the commit (``check_finite``), and a
+dense store holds what it was given.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
         fuse = _fuse(seg, fused)
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
         hidden = _mask(plan, seg.positions[:, a:b], groups, key=key)
+        k, v = _drop_hidden(k, v, hidden)
         q = queries(_key_basis(plan, seg))
         if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
@@ -228,6 +232,15 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     else:
         own = None if m_own is None else _lse(m_own, s_own)
     return out, lse, own
+
+
+def _drop_hidden(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """``k``/``v`` with the rows every query of the block hides (empty or evicted slots, masked
+    positions) replaced by zeros with ``where``: a stale non-finite row there weighs nothing (a
+    weight of 0 times NaN is NaN, so hiding it by its weight alone would poison the read)."""
+    gone = hidden.all(-2, keepdim=True).transpose(-1, -2)  # [..., s, 1]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    return torch.where(gone, zero, k), torch.where(gone, zero.to(v.dtype), v)
 
 
 def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -295,7 +308,10 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         hidden = _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
         s = (queries(_key_basis(plan, seg)).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
             hidden, float("-inf"))
-        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64)  # [..., G*r, s]
+        # [..., G*r, s]; a probability is at most 1: exp(s - lse) above it is the rounding of a float32 or
+        # narrower lse (1 + 2**-16 seen), clamped so that a statistic keeps the range its state dict is checked
+        # against (the true p is <= 1, so the clamp never takes a value below the truth)
+        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64).clamp_(max=1.0)
         ph = p.movedim(ha, 0).reshape(H, -1, p.shape[-1]) if ha is not None else p.reshape(1, -1, p.shape[-1])
         dest = slots[:, a:b]
         dest = torch.where(dest >= 0, dest, S).expand(H, -1)

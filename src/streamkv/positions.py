@@ -38,7 +38,8 @@ Parameters that change during a stream (the cut of ``block_relative``, the origi
 between the maps of one :class:`~streamkv.rope_at_read.RopeAtRead`, writes a device scalar and
 recompiles nothing.
 
-Why this long: the table of published position rules and their sources is the registry's documentation.
+Why one module (and this long): the table of published position rules and their sources is the
+registry's documentation, and a map's kind, parameters and state live with it.
 """
 
 from __future__ import annotations
@@ -136,14 +137,32 @@ class PositionMap:
                 check, :func:`check_params`, with the static ones and the other dynamic values
                 as set); nothing changes.
         """
+        self.check_set(**values)
+        for k, v in values.items():
+            self.dynamic[k].fill_(v)
+            self._host[k] = v
+
+    def check_set(self, **values: int) -> None:
+        """Raise as :meth:`set` would for ``values``; change nothing."""
         unknown = sorted(set(values) - set(self.dynamic))
         if unknown:
             raise ValueError(f"position map {self.name!r} has no dynamic parameter {unknown[0]!r}; it has "
                              f"{sorted(self.dynamic)}")
         check_params(self.kind, {**self.static, **self._host, **values})
-        for k, v in values.items():
-            self.dynamic[k].fill_(v)
-            self._host[k] = v
+
+    @property
+    def settings(self) -> dict[str, int]:
+        """The dynamic parameters as last set (host values: no device read)."""
+        return dict(self._host)
+
+    def copy(self) -> PositionMap:
+        """The same map with dynamic parameters of its own (equal now, on the same device): a
+        :meth:`set` on one leaves the other as it was."""
+        out = PositionMap(self.kind, self.fn, self.static, self._host)
+        out.dynamic = {k: t.clone() for k, t in self.dynamic.items()}
+        if hasattr(self, "_bound"):
+            out._bound = self._bound
+        return out
 
     def params(self) -> dict[str, Any]:
         """Static and dynamic parameters as host values (synchronises; for reports)."""

@@ -49,6 +49,19 @@ def _check(cache: KVCache, name: str, t: object, shape: tuple[int, ...]) -> None
         raise ValueError(f"{name} shares memory with this cache's own buffers: pass a tensor of its own (clone it)")
 
 
+def _own_rows(st, host_slots: list[int], slots: Tensor) -> Tensor:
+    """The buffer rows of ``slots``; a paged store first makes the pages holding them its own (copy
+    on write: a branch's re-cache never changes what another branch or a kept boundary holds).
+    Raises ``RuntimeError`` (nothing changes) when the page pool lacks free pages."""
+    store = st.store
+    if store.table is None:
+        return slots
+    own = store.prepare_writes([(s, 1, False) for s in sorted(set(host_slots))], "recache")
+    if own is not None:
+        own()
+    return store.rows_of(slots)
+
+
 def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | None = None) -> int:
     """Rewrite the K/V of positions ``[start, start + n)`` (``n = k.shape[seq_dim]``) of ``layer``
     in the slots that hold them; returns the number of (slot, head) pairs written.
@@ -92,6 +105,7 @@ def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | No
                              f"positions can be re-cached in place")
     if not cache.per_head and not st.recall_slots:
         slots = torch.tensor([slot_of[p] for p in range(start, start + n)], dtype=torch.long, device=st.device)
+        slots = _own_rows(st, slots.tolist(), slots)
         bufs[0][layer].index_copy_(seq, slots, k)
         bufs[1][layer].index_copy_(seq, slots, v)
         return n * st.heads
@@ -99,6 +113,7 @@ def recache(cache: KVCache, start: int, k: Tensor, v: Tensor, *, layer: int | No
     hit = (rows >= 0) & (rows < n) & (positions >= 0)
     head_idx, slot_idx = hit.nonzero(as_tuple=True)  # one sync
     row_idx = rows[head_idx, slot_idx]
+    slot_idx = _own_rows(st, slot_idx.tolist(), slot_idx)
     per_head = st.dims.rows  # (token, head, other dims..., feature): the per-head write's view
     for buf, x in zip(bufs, (k, v)):
         if st.head_dim is None:

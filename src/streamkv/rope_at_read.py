@@ -161,6 +161,52 @@ class RopeAtRead:
         self._selected.fill_(idx)
         self._host_selected = idx
 
+    def fork(self) -> RopeAtRead:
+        """A copy for a branch of a stream (:meth:`~streamkv.caches.KVCache.fork`): the same rotary
+        and maps, the map in use and the dynamic parameters as they stand, held in tensors of its
+        own (a :meth:`use` or a ``set`` on one leaves the other as it was: the map state is per
+        stream), bound to the same device and sink."""
+        out = object.__new__(RopeAtRead)
+        out.__dict__.update(self.__dict__)
+        out.maps = [m.copy() for m in self.maps]
+        out._selected = self._selected.clone()
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The stream's rotation state, for state dicts: the map in use and every map's dynamic
+        parameters as set (host values; :meth:`config` is what identifies the rotation)."""
+        return {"map": self.names[self._host_selected],
+                "params": {name: m.settings for name, m in zip(self.names, self.maps)}}
+
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` (from :meth:`state`) is one this RopeAtRead can take:
+        a map it holds, and for each map exactly its dynamic parameters, each accepted by the map's
+        own check (:meth:`~streamkv.positions.PositionMap.set`). Changes nothing."""
+        if not isinstance(state, dict) or set(state) != {"map", "params"}:
+            raise ValueError(f"state dict rope_state must be a dict of 'map' and 'params', got {state!r}")
+        if state["map"] not in self.names:
+            raise ValueError(f"state dict rope_state uses map {state['map']!r}; this cache's RopeAtRead holds "
+                             f"{self.names}")
+        params = state["params"]
+        if not isinstance(params, dict) or set(params) != set(self.names):
+            got = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(f"state dict rope_state params must name the maps {self.names}, got {got}")
+        for name, m in zip(self.names, self.maps):
+            values = params[name]
+            if not isinstance(values, dict) or set(values) != set(m.dynamic):
+                raise ValueError(f"state dict rope_state params of map {name!r} must set {sorted(m.dynamic)}, "
+                                 f"got {values!r}")
+            try:
+                m.check_set(**values)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"state dict rope_state params of map {name!r}: {exc}") from None
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take a state :meth:`check_state` accepted: every map's dynamic parameters, then the map in use."""
+        for name, m in zip(self.names, self.maps):
+            m.set(**state["params"][name])
+        self.use(state["map"])
+
     @property
     def current(self) -> PositionMap:
         """The map in use (from the host's record of :meth:`use`)."""

@@ -322,12 +322,26 @@ class KVStorage:
                 not 0 <= s < self.recall_slots for s in slots):
             raise ValueError(f"recall slots {slots} outside [0, {self.recall_slots}), or no head dim")
         idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
+        self.own_recall_pages("a recall write")
         self.store.write_recall(layer, head, idx, k, v)
         self.positions[layer, head, idx] = positions
+
+    def own_recall_pages(self, why: str) -> None:
+        """Copy on write for the recall slots: the pages holding them that another cache of a paged
+        family (a branch, a kept boundary) also references become this store's own, before anything
+        is written there (a recall must never change what another branch holds). The recall owner
+        claims them at attach (:func:`~streamkv.certify.certifier.claim_unevicted`), so later writes find
+        them private unless a boundary was kept since. Raises ``RuntimeError`` (nothing changes) when
+        the page pool lacks free pages; a no-op unpaged or when nothing is shared."""
+        if self.recall_slots:
+            own = self.store.prepare_writes([(self.capacity, self.recall_slots)], why)
+            if own is not None:
+                own()
 
     def clear_recall(self, layer: int, head: int, slots: list[int]) -> None:
         """Empty recall ``slots`` of one head (positions -1, K/V zeroed)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device) + self.capacity
+        self.own_recall_pages("a recall clear")
         self.store.clear_recall(layer, head, idx)
         self.positions[layer, head, idx] = -1
 

@@ -5,12 +5,17 @@ branches share copy-on-write:
 
 - :meth:`Branches.fork` makes ``n`` caches that continue the stream as it stands (at a chunk
   boundary: an open span is refused): each shares every page, and copies only its metadata (slot
-  positions, write plan, the policy's statistics, a quantised store's full-precision rows). From
-  then on each writes its own pages (a page at a time, when it first writes there). Refused, with
-  the reason, for a cache with observers (a certifier's summaries, a tier's entries are not forked).
+  positions, write plan, the policy's statistics and its host state, a quantised store's
+  full-precision rows, a copy of the position map state of RoPE at read: a branch switching maps
+  or cutting moves no other stream). A branch behaves exactly as its parent would, and as a
+  cache that loaded the parent's state. From then on each writes its own pages (a page at a time,
+  when it first writes there). Refused, with the reason, for a cache with observers (a
+  certifier's summaries, a tier's entries are not forked).
 - ``history=k`` keeps the last ``k`` chunk boundaries (their page tables and metadata: the pages
   stay referenced); :meth:`Branches.rewind` returns the stream to one of them exactly.
-- :meth:`Branches.release` gives a branch's pages back; the branch refuses every call afterwards.
+- :meth:`Branches.release` gives a branch's pages back; the branch refuses every call afterwards,
+  and every read or prepared step made before (they would read or write pages another branch
+  may hold by then).
 - :meth:`Branches.export` / :meth:`Branches.import_` move a stream as bytes (or a file): the state
   dict of every slot in slot order, with a SHA-256 of its tensors, loaded by ``load_state_dict``
   (so a stream from another layout, kind, format or map is refused by the same checks).
@@ -50,6 +55,7 @@ class _Boundary:
     where: tuple[int | None, tuple | None]
     policy: dict[str, Tensor]
     store: dict[str, Any]
+    rope: dict[str, Any] | None
 
 
 class Branches:
@@ -58,16 +64,14 @@ class Branches:
     def __init__(self, cache: KVCache, history: int) -> None:
         self.cache, self.history = cache, history
         self.boundaries: list[_Boundary] = []
-        self.released = False
 
     # ------------------------------------------------------------------ checks
-    def check_alive(self, what: str) -> None:
-        if self.released:
-            raise RuntimeError(f"{what}: this cache was released (its pages were given back); use another branch")
-
-    def _check_branchable(self, what: str) -> None:
+    def check_branchable(self, what: str, *, open_span_ok: bool = False) -> None:
+        """Raise (nothing changes) unless this cache can branch now: not released, mutable, paged,
+        without observers, and (unless ``open_span_ok``: the caller commits the open span itself
+        first, as the transformers and sglang integrations do) at a chunk boundary. ``what``
+        names the call in the message."""
         c = self.cache
-        self.check_alive(what)
         c.checks.mutable(what)
         if c.storage.store.table is None:
             raise ValueError(f"{what}: this {c.name} cache is not paged; build it with pages=True (its rows then live "
@@ -76,30 +80,42 @@ class Branches:
             names = sorted({type(o).__name__ for o in c.observers})
             raise ValueError(f"{what}: this cache has observers ({', '.join(names)}), whose state (recorded evictions, "
                              f"certificates, a tier's entries) a branch would not have; remove them first")
+        if not open_span_ok and c.is_open:
+            raise ValueError(f"{what} with {c.lifecycle.open_name()} open: branches start at a chunk boundary "
+                             f"(the open span's rows are not history yet); call {c.lifecycle.commit_call()} first")
 
     # ------------------------------------------------------------------ fork
     def check_fork(self, n: int) -> int:
         """Raise as :meth:`fork` would; else the count."""
-        c = self.cache
         n = check_int("n", n, 1)
-        self._check_branchable(f"fork({n})")
-        if c.is_open:
-            raise ValueError(f"fork({n}) with {c.lifecycle.open_name()} open: branches start at a chunk boundary "
-                             f"(the open span's rows are not history yet); call {c.lifecycle.commit_call()} first")
+        self.check_branchable(f"fork({n})")
         return n
 
-    def fork(self, n: int) -> list[KVCache]:
-        return [self._branch() for _ in range(self.check_fork(n))]
+    def fork(self, n: int, ropes: list[dict[int, Any]] | None = None) -> list[KVCache]:
+        """``n`` branches (see the module docstring). ``ropes``: one dict per branch, shared by the caches
+        a group forks together (a :class:`~streamkv.caches.CacheSet`'s members), so that caches that
+        shared one RopeAtRead share one copy of it in each branch, as they did before."""
+        n = self.check_fork(n)
+        ropes = [{} for _ in range(n)] if ropes is None else ropes
+        out = [self._branch(r) for r in ropes]
+        self.cache.lifecycle.forks += 1  # a step planned before would write pages the branches share
+        return out
 
-    def _branch(self) -> KVCache:
+    def _branch(self, ropes: dict[int, Any]) -> KVCache:
         c = self.cache
         out = object.__new__(type(c))
         pol = make_policy(c.policy)
-        out._assemble(c.layout, pol, c.storage.fork(), c.rope_at_read, self.history)
+        rope = c.rope_at_read
+        if rope is not None:  # the map in use and its parameters are stream state: a copy per branch
+            if id(rope) not in ropes:
+                ropes[id(rope)] = rope.fork()
+            rope = ropes[id(rope)]
+        out._assemble(c.layout, pol, c.storage.fork(), rope, self.history)
         for name, t in pol.state().items():
             t.copy_(c.policy.state()[name])
         lc = c.lifecycle
         out.lifecycle.restore(lc.end, lc.span, False)
+        pol.after_load(lc.end, lc.span)  # the policy's host state (write ranges, offsets), as a load rebuilds it
         return out
 
     # ------------------------------------------------------------------ history
@@ -110,7 +126,8 @@ class Branches:
         c, st = self.cache, self.cache.storage
         self.boundaries.append(_Boundary(
             c.lifecycle.end, c.lifecycle.span, st.positions.clone(), st.plan.clone(), (st.where.start, st.where.ranges),
-            {k: t.clone() for k, t in c.policy.state().items()}, st.store.snapshot()))
+            {k: t.clone() for k, t in c.policy.state().items()}, st.store.snapshot(),
+            None if c.rope_at_read is None else c.rope_at_read.state()))
         while len(self.boundaries) > self.history:
             st.store.drop_snapshot(self.boundaries.pop(0).store)
 
@@ -123,7 +140,7 @@ class Branches:
         """Raise as :meth:`rewind` would; else the index of the boundary."""
         c = self.cache
         chunk_idx = check_int("chunk_idx", chunk_idx, 0)
-        self._check_branchable(f"rewind({chunk_idx})")
+        self.check_branchable(f"rewind({chunk_idx})", open_span_ok=True)
         end = chunk_idx * c.layout.chunk
         keep = [i for i, b in enumerate(self.boundaries) if b.end == end]
         if not keep:
@@ -143,6 +160,8 @@ class Branches:
         for k, t in c.policy.state().items():
             t.copy_(b.policy[k])
         c.policy.after_load(b.end, b.span)
+        if b.rope is not None:
+            c.rope_at_read.load_state(b.rope)
         c.lifecycle.restore(b.end, b.span, False)
         for later in self.boundaries[i + 1:]:
             st.store.drop_snapshot(later.store)
@@ -154,19 +173,26 @@ class Branches:
             self.cache.storage.store.drop_snapshot(b.store)
         self.boundaries = []
 
+    def kept_pages(self) -> list[int]:
+        """The physical pages the kept boundaries reference (one entry per reference): what
+        :meth:`forget` drops, so a reset or a load that forgets them copies no page shared only
+        with them."""
+        return [p for b in self.boundaries for p in b.store["pages"]]
+
     def release(self) -> None:
-        self.check_alive("release()")
+        """Give the pages back; every read and step made before, and every later call, is refused."""
+        self.cache.checks.alive("release()")
         self.forget()
         self.cache.storage.store.release()
-        self.released = True
+        self.cache.lifecycle.release()
 
     # ------------------------------------------------------------------ moving streams
     def export(self, path: str | os.PathLike | None = None) -> bytes | None:
-        self.check_alive("export_stream()")
+        self.cache.checks.alive("export_stream()")
         return export_streams({"": self.cache}, path)
 
     def import_(self, source: bytes | str | os.PathLike) -> None:
-        self.check_alive("import_stream()")
+        self.cache.checks.alive("import_stream()")
         self.cache.load_state_dict(read_streams(source, [""], self.cache.device)[""])
 
 

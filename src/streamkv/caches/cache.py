@@ -238,7 +238,26 @@ class KVCache:
             self.storage.begin(start, n)  # the store's own begin work (a quantised store's full-precision rows)
             self.lifecycle.begin(start, n)
 
-        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+        return self._step(apply, change, actions, f"the begin of positions [{start}, {start + n})")
+
+    def _step(self, apply: Callable[[], None], change: Change, actions: Any, what: str) -> Step:
+        """The cache's step of a planned change: it runs once, and only while the cache is where it
+        was planned (a step planned before another begin, commit, reset, load, rewind or release
+        would apply slots, positions and pages that no longer hold): refused otherwise, nothing
+        changed. Then the observers are told."""
+        planned, ran = self.lifecycle.plan_epoch, []
+
+        def check() -> None:
+            if ran:
+                raise RuntimeError(f"{what}: this prepared step already ran; a step runs once (prepare it again)")
+            self.lifecycle.check_plan(planned, what)
+
+        def run_once() -> None:
+            check()
+            ran.append(True)
+            apply()
+
+        return Step(run_once, then=(lambda: self._observers.tell(change, actions),), check=check)
 
     def check_begin(self, chunk_idx: int) -> bool:
         """Raise as ``begin_chunk(chunk_idx)`` would; else True for an advance, False for a
@@ -346,7 +365,7 @@ class KVCache:
             self.lifecycle.close()
             self.branches.after_commit()
 
-        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+        return self._step(apply, change, actions, f"the commit of positions [{start}, {start + n})")
 
     def check_commit(self, chunk_idx: int) -> None:
         """Raise as ``commit_chunk(chunk_idx)`` would for lifecycle reasons. Changes nothing."""
@@ -366,7 +385,7 @@ class KVCache:
     def prepare_reset(self) -> Step:
         """Check and let the observers veto :meth:`reset`; nothing changes until the step runs."""
         self.checks.mutable("reset")
-        own = self.storage.store.prepare_writes("all", "a reset")
+        own = self.storage.store.prepare_writes("all", "a reset", self.branches.kept_pages())  # forgets them first
         change = Change(self, "reset")
         actions = self._observers.prepare(change)
 
@@ -378,7 +397,7 @@ class KVCache:
             self.policy.reset()
             self.lifecycle.reset()
 
-        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+        return self._step(apply, change, actions, "a reset")
 
     # ================================================================ where the stream is
     @property
@@ -416,7 +435,9 @@ class KVCache:
     @property
     def num_valid(self) -> int:
         """Occupied slots of the ``sink + window`` the policy manages: the count for window
-        caches (host arithmetic), the most of any (layer, head) for per-head ones (synchronises)."""
+        caches (host arithmetic), the most of any (layer, head) for per-head ones (synchronises).
+        Refused on a released cache."""
+        self.checks.alive("num_valid")
         return self.reads.num_valid
 
     def occupancy(self, static: bool = False) -> Occupancy:
@@ -477,7 +498,7 @@ class KVCache:
         """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).
         ``occupancy`` (default :meth:`occupancy`) may be forced to ``"mask"`` for static shapes;
         ``"all"``/``"prefix"`` where they would read an empty slot are refused (``ValueError``).
-        The read is valid until the next begin, commit, reset or load."""
+        The read is valid until the next begin, commit, reset, load, rewind or release."""
         layer = self.checks.layer(layer)
         return self.reads.read(layer, self.checks.occupancy(occupancy, self.reads.occupancy))
 
@@ -529,7 +550,7 @@ class KVCache:
     def prepare_load(self, state: dict[str, Any]) -> Step:
         """Validate ``state`` and let the observers veto the load; nothing changes until the step runs."""
         counters = self.states.validate(state)
-        own = self.storage.store.prepare_writes("all", "a state-dict load")
+        own = self.storage.store.prepare_writes("all", "a state-dict load", self.branches.kept_pages())
         change = Change(self, "load", state=state)
         actions = self._observers.prepare(change)
 
@@ -539,7 +560,7 @@ class KVCache:
             self.branches.forget()
             self.states.load(state, counters)
 
-        return Step(apply, then=(lambda: self._observers.tell(change, actions),))
+        return self._step(apply, change, actions, "a state-dict load")
 
     # ================================================================ branches
     def fork(self, n: int = 1) -> list[KVCache]:
@@ -557,13 +578,13 @@ class KVCache:
     @property
     def rewind_chunks(self) -> list[int]:
         """The chunks :meth:`rewind` can return to."""
+        self.checks.alive("rewind_chunks")
         return self.branches.chunks()
 
     def release(self) -> None:
         """Give this cache's pages (and kept boundaries) back to the pool its branches share; every
-        later call on it is refused."""
+        later call on it is refused, and so is every read or prepared step made before."""
         self.branches.release()
-        self.checks.released = True
 
     def export_stream(self, path: str | None = None) -> bytes | None:
         """The stream as bytes (or written to ``path``): every slot's K/V in slot order and the
@@ -592,7 +613,8 @@ class KVCache:
         stored raw (rotated at read by which map); the storage (format; bytes of codes, scales and
         full-precision rows; pages; what a plain bfloat16 cache of the same slots holds); for
         scored policies the evictions, overflows and the last commit's dropped-mass bound per
-        (layer, head)."""
+        (layer, head). Refused on a released cache."""
+        self.checks.alive("report()")
         kept = (self.storage.slot_positions[..., : self.layout.capacity] >= 0).sum(-1)
         out: dict[str, Any] = {
             "kind": self.name, **self.policy.params(), "capacity": self.layout.capacity,
@@ -631,6 +653,9 @@ class KVCache:
 
     def __repr__(self) -> str:
         L = self.layout
+        if self.lifecycle.released:
+            return (f"{type(self).__name__}(policy={self.policy!r}, sink={L.sink}, window={L.window}, chunk={L.chunk}, "
+                    f"released: its pages went back to the pool)")
         st = self.storage.store.describe()
         held = f"{_mib(st['bytes'])} held ({st['format']}"
         if st["code_bytes"]:

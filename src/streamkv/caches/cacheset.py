@@ -154,7 +154,8 @@ class CacheSet:
         caches = [self._caches[b] for b in self.branches]
         for cache in caches:  # every refusal before any fork
             cache.branches.check_fork(n)
-        forked = [cache.fork(n) for cache in caches]
+        ropes = [{} for _ in range(n)]  # members that shared a RopeAtRead share one copy in each new set
+        forked = [cache.branches.fork(n, ropes) for cache in caches]
         return [self._with({b: forked[j][i] for j, b in enumerate(self.branches)}) for i in range(n)]
 
     def _with(self, caches: dict[str, KVCache]) -> CacheSet:
@@ -165,14 +166,24 @@ class CacheSet:
         return out
 
     def rewind(self, chunk_idx: int) -> None:
-        """``rewind`` every branch (all checked first)."""
-        for cache in self._caches.values():
-            cache.branches.check_rewind(chunk_idx)
+        """``rewind`` every branch; all or nothing (every branch checked first; a refusal names the
+        branch)."""
+        for name, cache in self._caches.items():
+            try:
+                cache.branches.check_rewind(chunk_idx)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise type(exc)(f"branch {name!r}: {exc}") from None
         for cache in self._caches.values():
             cache.rewind(chunk_idx)
 
     def release(self) -> None:
-        """Give every branch's pages back."""
+        """Give every branch's pages back; all or nothing (a branch released already is refused,
+        naming it, before any is released)."""
+        for name, cache in self._caches.items():
+            try:
+                cache.checks.alive("release()")
+            except RuntimeError as exc:
+                raise RuntimeError(f"branch {name!r}: {exc}") from None
         for cache in self._caches.values():
             cache.release()
 
@@ -197,8 +208,11 @@ class CacheSet:
 
 
 def _run_all(steps: list[Step]) -> None:
-    """Apply every prepared step, then tell every member's observers (a failure there is
-    raised once all were told; every change stands)."""
+    """Check that every prepared step may still run (all or nothing), apply every one, then tell
+    every member's observers (a failure there is raised once all were told; every change stands)."""
+    for step in steps:
+        if step.check is not None:
+            step.check()
     for step in steps:
         step.apply()
     failures = []

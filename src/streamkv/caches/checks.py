@@ -26,7 +26,6 @@ class InputChecks:
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy) -> None:
         self.storage, self.layout, self.lifecycle, self.policy = storage, layout, lifecycle, policy
-        self.released = False  # the cache gave its pages back (Branches.release): every call is refused
         # torch lets inference tensors change only in inference mode
         self.inference_buffers = any(t.is_inference() for t in (*storage.store.tensors().values(), storage.positions))
 
@@ -58,7 +57,8 @@ class InputChecks:
             raise RuntimeError(f"{what} with nothing open: call begin_chunk(chunk_idx) or begin_tokens(n) first")
 
     def alive(self, what: str) -> None:
-        if self.released:
+        """Raise ``RuntimeError`` if the cache was released (its pages went back to the pool)."""
+        if self.lifecycle.released:
             raise RuntimeError(f"{what}: this cache was released (its pages went back to the pool); use another branch")
 
     def layer(self, layer: int | None) -> int:

@@ -66,7 +66,7 @@ class KVRead:
         name: ``"<kind> layer <i>"``, for messages.
         source: ``source(positions)`` gives the store's segments, whose slots hold ``positions``.
         generation, lifecycle: the lifecycle generation the read was made in; a read kept
-            across a begin, commit, reset or load is refused (:meth:`check_current`). None in a
+            across a begin, commit, reset, load, rewind or release is refused (:meth:`check_current`). None in a
             compiled step (traced reads are rebuilt every call).
         rope_at_read: None when keys are stored as attended; else the cache's
             :class:`~streamkv.rope_at_read.RopeAtRead`: raw keys, rotated with the queries by
@@ -111,13 +111,18 @@ class KVRead:
         return self.dims.shape("k", self.dims.slots)
 
     def check_current(self) -> None:
-        """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made."""
+        """Raise ``ValueError`` if the cache's lifecycle moved on since this read was made (a
+        begin, commit, reset, load, rewind or release): every accessor of what the read holds
+        (:meth:`segments`, :meth:`stored`, :attr:`keys`, :attr:`values`, :meth:`bias`,
+        :meth:`causal_bias`) and ``attend`` call it first, so a stale read is refused, never
+        answered from slots that now hold other tokens."""
         if self.lifecycle is not None and not torch.compiler.is_compiling():
             self.lifecycle.check_current(self.generation, f"this read of {self.name}")
 
     def segments(self) -> list[Segment]:
         """What the read attends (the store's segments at this read's :attr:`positions`, kept while
-        they are unchanged; then an observer's, built anew)."""
+        they are unchanged; then an observer's, built anew). Refused for a stale read."""
+        self.check_current()
         memo = self._kept()
         own = None if memo is None else memo.get("own")
         if own is None:
@@ -157,14 +162,14 @@ class KVRead:
         """The keys and values every slot holds, as stored (layer layout, every slot; raw keys of a
         cache that rotates at read stay raw): the buffers themselves for one dense segment, else a
         decoded copy (codes decoded, rotated back from their storage basis). Rows an observer adds
-        (a compressed tier) are not slots and are left out."""
+        (a compressed tier) are not slots and are left out. Refused for a stale read."""
         segs = self.segments()
         if len(segs) == 1 and segs[0].contiguous and segs[0].slots == 0:
             return self.dims.from_attention(segs[0].keys), self.dims.from_attention(segs[0].values)
         S, ha = self.dims.slots, self.dims.head_axis
         out = []
         for which in (0, 1):
-            dest = None
+            dest, rows = None, []
             for seg in segs:
                 slots = seg.slot_index()
                 if slots is None:
@@ -175,16 +180,26 @@ class KVRead:
                     x = x @ basis.to(x.dtype)
                 if dest is None:
                     dest = torch.zeros((*x.shape[:-2], S + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
-                idx = torch.where(slots >= 0, slots, S)  # [H, n]; rows of no slot go to a spare row
-                shape = [1] * (x.dim() - 2) + [idx.shape[-1], 1]
-                if ha is not None:
-                    shape[ha] = idx.shape[0]
-                dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x)
+                rows.append((x, slots, seg.positions.expand_as(slots) >= 0))
+            # Two segments may name one slot (a quantised store's codes and its full-precision row of
+            # a hot slot: only the hot row holds the slot's token, the code row is stale). Rows that
+            # hold a position are scattered last, so a slot reads the row that holds its token; rows of
+            # no slot go to a spare row.
+            for held_pass in (False, True):
+                for x, slots, held in rows:
+                    idx = torch.where((slots >= 0) & (held == held_pass), slots, S)  # [H, n]
+                    shape = [1] * (x.dim() - 2) + [idx.shape[-1], 1]
+                    if ha is not None:
+                        shape[ha] = idx.shape[0]
+                    dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x)
             out.append(self.dims.from_attention(dest[..., :S, :]))
         return out[0], out[1]
 
     # ------------------------------------------------------ for a user's own kernel
     def _plain(self) -> Segment:
+        """The one dense segment a user's own kernel may attend as it lies; refused (stale, or no such
+        segment) with the reason."""
+        self.check_current()
         why = []
         if self.rope_at_read is not None:
             why.append("its keys are raw and rotated at read by a position map (attend() rotates them)")
@@ -212,7 +227,10 @@ class KVRead:
     def bias(self, dtype: torch.dtype = torch.float32) -> Tensor | None:
         """The additive bias over every slot (``-inf`` on empty ones), broadcastable against scores
         ``[..., Q, S]`` of the layer moved to ``[..., T, D]``; None only when every slot is occupied
-        (``"all"``). Attend over all of :attr:`keys` with it (or over the first ``visible`` slots)."""
+        (``"all"``). Attend over all of :attr:`keys` with it (or over the first ``visible`` slots).
+        Offered where :attr:`keys` is (a bias over rows that are not what attention reads would be
+        a wrong answer), and refused as it is."""
+        self._plain()
         if self.occupancy == "all":
             return None
         return self.dims.lay_out_heads(position_bias(self.positions, None, dtype))
@@ -221,5 +239,7 @@ class KVRead:
                     ) -> Tensor:
         """The bias of position-causal attention over the slots read (``[:visible]``): a query at
         position ``p`` sees the occupied slots holding positions ``<= p`` (with ``window``, only
-        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``."""
+        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``.
+        Offered and refused as :meth:`bias`."""
+        self._plain()
         return self.dims.lay_out_heads(position_bias(self.positions[:, : self.visible], query_positions, dtype, window))

@@ -66,7 +66,8 @@ class StateDicts:
         (so a state taken now restores this moment even after the stream moves on).
 
         Raises ``RuntimeError`` for a cache with recall slots: their contents belong to the
-        observer that recalled them, which does not serialise its state."""
+        observer that recalled them, which does not serialise its state; and for a released cache."""
+        self.checks.alive("state_dict()")
         if self.storage.recall_slots:
             raise RuntimeError(
                 "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
@@ -78,6 +79,9 @@ class StateDicts:
             "end": lc.end,
             "span": lc.span,
             "open": lc.is_open,
+            # the map in use and the maps' dynamic parameters (a cut, an origin): stream state, restored
+            # with the stream (config()["rope"] is what identifies the rotation and must match)
+            "rope_state": None if self.rope_at_read is None else self.rope_at_read.state(),
             **{name: t.detach().clone() for name, t in self._tensors().items()},
         }
 
@@ -91,6 +95,8 @@ class StateDicts:
             t.copy_(state[name])
         self.lifecycle.restore(end, span, is_open)
         self.policy.after_load(end, span)
+        if self.rope_at_read is not None:
+            self.rope_at_read.load_state(state["rope_state"])
 
     def validate(self, state: dict[str, Any]) -> tuple[int, int, bool]:
         """Raise as ``load_state_dict(state)`` would; else return ``(end, span, open)`` as exact
@@ -138,6 +144,15 @@ class StateDicts:
                 f"state dict span={span} is impossible at end={end} (1 <= span <= min(end, chunk={self.layout.chunk}) "
                 f"once anything entered the stream)"
             )
+        rope = self.rope_at_read
+        if rope is None:
+            if state.get("rope_state") is not None:
+                raise ValueError(f"state dict rope_state must be None for a cache without rope_at_read, got "
+                                 f"{state['rope_state']!r}")
+        elif "rope_state" not in state:
+            raise ValueError("state dict lacks 'rope_state' (the position map in use and its dynamic parameters)")
+        else:
+            rope.check_state(state["rope_state"])
         self.policy.check_state(state, end, span, is_open)
         self.storage.store.check_state(state, state["slot_positions"], end, span, is_open)
         return end, span, is_open

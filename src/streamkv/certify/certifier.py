@@ -427,10 +427,11 @@ class Certifier(CacheObserver):
             ps.append(pos)
         free = self._free[layer][head]
         total = sum(counts)
-        slots, self._free[layer][head] = free[:total], free[total:]
+        slots = free[:total]
         to = self.store.to_device
         k, v, pos = torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(ps)
         self.storage.write_recall(layer, head, slots, to(k).transpose(0, 1), to(v).transpose(0, 1), to(pos))
+        self._free[layer][head] = free[total:]  # after the write (which may refuse: copy on write of shared pages)
         at = 0
         for b, n in zip(blocks, counts):
             s.set_active(head, b, False)
@@ -500,6 +501,7 @@ def claim_unevicted(observer: Any, cache: KVCache, why: str, *, recalls: bool) -
     if recalls:
         if st.recall_owner is not None:
             raise ValueError("another observer recalls into this cache's recall slots: one recall owner per cache")
+        st.own_recall_pages(f"attaching {type(observer).__name__} (its recall slots' pages, shared with a branch)")
         st.recall_owner = observer
 
 

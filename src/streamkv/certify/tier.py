@@ -644,10 +644,11 @@ class CompressedTier(CacheObserver):
         k, v, pos = self._host_rows(layer, h, b * self.block, min((b + 1) * self.block, c))
         n = pos.numel()
         free = self._free[layer][h]
-        slots, self._free[layer][h] = free[:n], free[n:]
+        slots = free[:n]
         dev = self.cache.device
         kd, vd = k.to(dev), v.to(dev)
         self.storage.write_recall(layer, h, slots, kd.transpose(0, 1), vd.transpose(0, 1), pos.to(dev))
+        self._free[layer][h] = free[n:]  # after the write (which may refuse: copy on write of shared pages)
         self.rec_block[layer, h, slots] = b
         self._recalled[layer][h][b] = (slots, epoch)
         nbytes = kd.nbytes + vd.nbytes

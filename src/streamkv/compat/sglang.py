@@ -354,7 +354,7 @@ class RingCausalSelfAttentionKVCache:
                 f"as with quant=, and each view is a copy of its rows")
         if self._ring is None or not self._ring.end:
             raise ValueError(f"fork({n}): this cache holds no tokens yet (nothing to share): build {n} caches")
-        self._ring.branches._check_branchable(f"fork({n})")
+        self._ring.branches.check_branchable(f"fork({n})", open_span_ok=True)  # fork() closes the open chunk first
         return n
 
     def fork(self, n: int = 1) -> list[RingCausalSelfAttentionKVCache]:

@@ -49,7 +49,7 @@ def fork_cache(cache: StreamKVCache, n: int) -> list[StreamKVCache]:
                            f"call reset() and start the stream again")
     if kv.is_open:
         cache._check_attended()
-    kv.branches._check_branchable(f"fork({n})")  # pages, observers, released: before the commit below
+    kv.branches.check_branchable(f"fork({n})", open_span_ok=True)  # pages, observers, released: before the commit below
     if kv.is_open:
         kv.commit()  # what the next forward would do first; then the stream is at a boundary
     return [StreamKVCache(b, config=cache.config, on_attention=cache.on_attention) for b in kv.fork(n)]

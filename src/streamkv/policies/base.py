@@ -39,7 +39,9 @@ class Step:
     those slots as host ints where every layer and head loses the same ones and the policy
     knows them without a device read (window policies), ``info`` what the policy says about
     the eviction (scored policies: ``overflow`` bool ``[L, H]``, ``dropped_mass_bound``
-    float64 ``[L, H]``); ``writes`` the slots the span's K/V will be written to (or moved to)."""
+    float64 ``[L, H]``); ``writes`` the slots the span's K/V will be written to (or moved to);
+    ``check`` raises, changing nothing, when the step can no longer run (a cache's step runs once,
+    and only while the cache is where it was planned: :meth:`run` and a group ask it first)."""
 
     apply: Callable[[], None] = _nothing
     evicted: Callable[[], Tensor] | None = None
@@ -49,9 +51,13 @@ class Step:
     #: the slots the step's writes touch, for a paged store's copy on write: host ``(first slot,
     #: rows)`` ranges, or a device tensor of slots (a begin: the span's, and a roll's), or None
     writes: object = None
+    #: raises (nothing changed) when the step may not run now; None: it always may
+    check: Callable[[], None] | None = None
 
     def run(self) -> None:
-        """``apply()``, then every ``then`` (an exception there comes after the change stood)."""
+        """``check()``, ``apply()``, then every ``then`` (an exception there comes after the change stood)."""
+        if self.check is not None:
+            self.check()
         self.apply()
         for fn in self.then:
             fn()

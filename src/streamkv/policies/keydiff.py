@@ -72,4 +72,5 @@ class KeyDiff(FixedBudget):
 
     def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
         super().check_state(state, end, span, is_open)
-        check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"])
+        check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"],
+                     finite=self.check_finite)

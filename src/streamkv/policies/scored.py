@@ -213,6 +213,8 @@ class ScoredPolicy(SlotPolicy):
         for mine, got in ((self._key_max, key_max), (self._key_sum, key_sum)):
             if got is not None:
                 mine[layer].copy_(got[:, :cap])
+        if key_max is not None:  # any kernel's rounding above 1 (a probability): the range state dicts check
+            self._key_max[layer].clamp_(max=1.0)
         self._fresh[layer].fill_(1)
         self._seen[layer] = [True, self._seen[layer][1]]
 
@@ -410,11 +412,19 @@ class ScoredPolicy(SlotPolicy):
             check_scores(where, name, state[name], top)
 
 
-def check_scores(where: str, name: str, t: Tensor, top: float = math.inf) -> None:
+def check_scores(where: str, name: str, t: Tensor, top: float = math.inf, *, finite: bool = True) -> None:
     """Raise ``ValueError`` unless every entry of a state dict's statistic ``t`` is finite and in
-    ``[0, top]`` (an attention probability, a sum of them, an accumulated score)."""
-    if not bool(torch.isfinite(t).all()):
+    ``[0, top]`` (an attention probability, a sum of them, an accumulated score). ``finite=False``
+    (a cache built with ``check_finite=False``, which keeps and counts non-finite scores): NaN and
+    ``+inf`` entries are what such a cache may hold (a key norm of an inf or NaN key) and pass;
+    the range is checked on the others."""
+    ok = torch.isfinite(t)
+    if finite and not bool(ok.all()):
         raise ValueError(f"{where}: {name} must be finite, got NaN or inf")
+    if not finite:
+        if bool((t == -math.inf).any()):
+            raise ValueError(f"{where}: {name} must be >= 0 or non-finite (NaN, +inf), got -inf")
+        t = t[ok]
     lo, hi = float(t.min()) if t.numel() else 0.0, float(t.max()) if t.numel() else 0.0
     if lo < 0 or hi > top:
         rng = "[0, 1] (a softmax probability)" if top == 1.0 else ">= 0"

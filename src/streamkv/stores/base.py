@@ -24,7 +24,8 @@ slots the policy ranks.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,16 +194,19 @@ class Store(abc.ABC):
         a -= self.row_offset
         return [(a, n)] if self.table is None else self.table.ranges(a, n)
 
-    def prepare_writes(self, writes: object, why: str) -> Callable[[], None] | None:
+    def prepare_writes(self, writes: object, why: str, dropping: Iterable[int] = ()) -> Callable[[], None] | None:
         """Copy on write: before slots are written (``writes``: host ``(first slot, rows)`` ranges -- a
         third element False when the rows are read before they are overwritten, as a roll does --, a
         device tensor of slots, or ``"all"``), the pages holding them that another cache of the family
         also references must become this store's own. Plans that (reserving free pages; raises when
         there are too few) and returns the step that makes it so, or None when nothing is shared.
-        A device tensor of slots is read back once (only while pages are shared)."""
+        A device tensor of slots is read back once (only while pages are shared). ``dropping``: the
+        physical pages (one entry per reference) the change drops before it writes (the kept
+        boundaries a reset or a load forgets): a page shared only with them needs no copy."""
         table = self.table
         if table is None or not table.shares:
             return None
+        dropping = Counter(dropping)
         P, off, n_rows = table.page, self.row_offset, len(table.host) * table.page
         if isinstance(writes, str):
             pages = whole = range(len(table.host))
@@ -220,7 +224,7 @@ class Store(abc.ABC):
                     elif lo <= p * P and (p + 1) * P <= hi:
                         whole.add(p)
             whole -= read
-        cow = table.plan_private(pages, whole, why)
+        cow = table.plan_private(pages, whole, why, dropping)
         if cow is None:
             return None
         seq = self.dims.seq + 1

@@ -13,9 +13,15 @@ consecutive channels of one token of one head (one scale a group, stored as bflo
 ``Fp8Codec`` (``fp8``)
     e4m3 (``torch.float8_e4m3fn``) of ``x / s`` with ``s = absmax / 448``; value ``code * s``.
     ``|x - x_hat| <= s * max(2^-4 |code|, 2^-10)`` (half an ulp of three mantissa bits, or of
-    the subnormal spacing 2^-9).
+    the subnormal spacing 2^-9), plus the float32 rounding of ``x / s`` before it (two roundings:
+    a quotient just above an e4m3 midpoint may land on it, then round the other way):
+    ``+ 2^-22 (|x_hat| + b) + 2^-148``.
 ``BF16Codec`` (``bf16``)
-    the bfloat16 of ``x``, no scale; ``|x - x_hat| <= max(2^-8 |x_hat|, 2^-134)``.
+    the bfloat16 of ``x``, no scale; ``|x - x_hat| <= max(2^-8 |x_hat|, 2^-134)``, plus the same
+    term for a float64 ``x`` rounded to float32 first.
+
+Every scale is at least ``absmax / k`` exactly (the float32 quotient is moved up where it rounded
+down, an underflow included), so no group of tiny values gets a scale or a bound of 0.
 
 Decoded values are float32 and *exact* there (a code of at most 9 significant bits times a
 bfloat16 scale needs at most 17), so "the stored value" of a token is one float32 number per
@@ -53,6 +59,25 @@ def _round_up_bf16(s: Tensor) -> Tensor:
     bits = s.contiguous().view(torch.int32)
     up = (bits + 0xFFFF) & ~0xFFFF
     return torch.where(torch.isfinite(s), up.view(torch.float32), s).to(torch.bfloat16)
+
+
+def _scale(absmax: Tensor, k: float) -> Tensor:
+    """The bfloat16 scale ``s >= absmax / k`` of a group (``absmax`` float32, >= 0): the float32
+    quotient, moved up one ulp where it rounded below the exact quotient (an underflow to 0 or to a
+    subnormal included: a tiny group would otherwise get ``s = 0`` and a bound of 0), then rounded up
+    to bfloat16."""
+    s = absmax / k
+    low = s.double() * k < absmax.double()  # exact in float64
+    return _round_up_bf16(torch.where(low, torch.nextafter(s, torch.full_like(s, math.inf)), s))
+
+
+def _with_input_rounding(bound: Tensor, decoded: Tensor) -> Tensor:
+    """``bound`` (float32, on ``|y - x_hat|`` for the float32 ``y`` the format rounded) widened to
+    bound ``|x - x_hat|`` for the value ``x`` before a first rounding to float32 (a float64 cache's
+    ``x.float()``, or fp8's ``x / s``): ``|x - y| <= 2^-24 |y| + 2^-150`` and ``|y| <= |x_hat| +
+    bound``. Twice the relative term, so that the float32 arithmetic of the widening (three roundings
+    of ``2^-24`` relative) cannot bring it below; the absolute term covers float32 subnormals."""
+    return bound + (decoded.abs() + bound) * 2.0**-22 + 2.0**-148
 
 
 def _groups(x: Tensor, group: int) -> Tensor:
@@ -131,7 +156,7 @@ class IntCodec(Codec):
         x = x.float()
         xg = _groups(x, group)
         M = 2**self.bits - 1
-        scale = _round_up_bf16(xg.abs().amax(-1) / (M / 2))
+        scale = _scale(xg.abs().amax(-1), M / 2)
         s = scale.float().unsqueeze(-1)
         y = torch.where(s > 0, xg / torch.where(s > 0, s, 1.0), 0.0)
         c = torch.floor(y + (M + 1) / 2).clamp_(0, M).to(torch.uint8).reshape(x.shape)
@@ -178,7 +203,7 @@ class Fp8Codec(Codec):
     def encode(self, x: Tensor, group: int) -> tuple[Tensor, Tensor | None]:
         x = x.float()
         xg = _groups(x, group)
-        scale = _round_up_bf16(xg.abs().amax(-1) / 448.0)
+        scale = _scale(xg.abs().amax(-1), 448.0)
         s = scale.float().unsqueeze(-1)
         y = torch.where(s > 0, xg / torch.where(s > 0, s, 1.0), 0.0)
         return y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(x.shape), scale
@@ -190,8 +215,10 @@ class Fp8Codec(Codec):
     def error_bound(self, codes: Tensor, scale: Tensor | None, dim: int, group: int,
                     decoded: Tensor | None = None) -> Tensor:
         y = _groups(codes.contiguous().view(torch.float8_e4m3fn).float(), group)
-        return (torch.clamp(y.abs() * 2.0**-4, min=2.0**-10) * scale.float().unsqueeze(-1)).reshape(
-            *codes.shape[:-1], dim)
+        s = scale.float().unsqueeze(-1)
+        # half an e4m3 ulp of the code, then the float32 rounding of x / s before it (and of a float64 x)
+        b = _with_input_rounding(torch.clamp(y.abs() * 2.0**-4, min=2.0**-10) * s, y * s)
+        return b.reshape(*codes.shape[:-1], dim)
 
 
 class BF16Codec(Codec):
@@ -209,7 +236,8 @@ class BF16Codec(Codec):
     def error_bound(self, codes: Tensor, scale: Tensor | None, dim: int, group: int,
                     decoded: Tensor | None = None) -> Tensor:
         xh = self.decode(codes, None, dim, group) if decoded is None else decoded
-        return torch.clamp(xh.abs() * 2.0**-8, min=2.0**-134)
+        # half a bfloat16 ulp, then a float64 x's rounding to float32 before it (double rounding)
+        return _with_input_rounding(torch.clamp(xh.abs() * 2.0**-8, min=2.0**-134), xh)
 
 
 #: codes per block from which a CPU decode runs compiled (smaller blocks: eager ops, no compile)

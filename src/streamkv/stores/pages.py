@@ -18,6 +18,7 @@ cache.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 import weakref
 from dataclasses import dataclass
@@ -165,7 +166,7 @@ class PageTable:
         pages merged."""
         P, out, r, end = self.pool.page, [], a, a + n
         while r < end:
-            p, off = divmod(r, P)
+            p, off = r // P, r % P  # not divmod: dynamo does not trace it (a compiled write)
             m = min(end, (p + 1) * P) - r
             first = self.host[p] * P + off
             if out and out[-1][0] + out[-1][1] == first:
@@ -185,15 +186,18 @@ class PageTable:
         self.pool.drop(self.host)
         self.host = []
 
-    def plan_private(self, logical: Iterable[int], whole: Iterable[int] = (), why: str = "this write"):
+    def plan_private(self, logical: Iterable[int], whole: Iterable[int] = (), why: str = "this write",
+                     dropping: Counter[int] | None = None):
         """The copy-on-write of the logical pages a write touches: those another table references
         get a free page (``whole`` ones: overwritten whole, not copied). Returns ``apply()``, the
         table update (reserved now, taken when it runs: it cannot
         fail; returns the ``(old, new, copy)`` physical pages: the caller copies the rows, then
         drops the old ones), or None when nothing is shared; raises (nothing reserved) when the pool
-        lacks free pages."""
-        refs = self.pool.refs
-        need = sorted({p for p in logical if refs[self.host[p]] > 1})
+        lacks free pages. ``dropping``: references to physical pages the same change drops before it
+        writes (this cache's kept boundaries, which a reset or a load forgets): a page shared only
+        with those is not copied."""
+        refs, dropping = self.pool.refs, dropping or Counter()
+        need = sorted({p for p in logical if refs[self.host[p]] - dropping[self.host[p]] > 1})
         if not need:
             return None
         held = self.pool.reserve(len(need), why)

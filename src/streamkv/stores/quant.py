@@ -43,6 +43,19 @@ from .pages import PageTable
 __all__ = ["QuantStore"]
 
 
+def _with_basis_rounding(e: Tensor, decoded: Tensor, dim: int) -> Tensor:
+    """Bounds ``e`` (float32, of the codes against ``y = fl32(fl32(x) @ R.T)``, what was encoded)
+    widened to bound them against the exact ``x @ R.T`` (what attention's dot products are
+    invariant for): the float32 product has error at most ``gamma_D |x| |R|`` per element (any
+    summation order), and ``|x| |R| <= ||x||_1 / sqrt(D) <= ||x||_2 = ||x R^T||_2 <= ||x_hat||_2 +
+    ||e||_2`` (``R`` orthogonal with entries ``+-1/sqrt(D)``); the float32 rounding of a float64 ``x``
+    adds ``2^-24 ||x||_2``: ``gamma`` of ``D + 2`` terms, doubled, in float64, then rounded up."""
+    u = (dim + 2) * 2.0**-24
+    gamma = 2.0 * u / (1.0 - u)
+    norm = decoded.double().norm(dim=-1, keepdim=True) + e.double().norm(dim=-1, keepdim=True)
+    return ((e.double() + gamma * norm) * (1.0 + 2.0**-22)).float()
+
+
 class QuantStore(Store):
     """Codes, scales and full-precision hot rows of one cache (see the module docstring)."""
 
@@ -341,8 +354,11 @@ class QuantStore(Store):
         codes = (self.k_codes if which == "k" else self.v_codes)[layer]
         scale = self.k_scale if which == "k" else self.v_scale
         ci = self.rows_of(slots.clamp(min=self.c0))
-        e = fmt.error_bound(codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci),
-                            dim, g)
+        c, sc = codes.index_select(seq, ci), None if scale is None else scale[layer].index_select(seq, ci)
+        e = fmt.error_bound(c, sc, dim, g)
+        r = self.rk if which == "k" else self.rv
+        if r is not None:
+            e = _with_basis_rounding(e, fmt.decode(c, sc, dim, g), dim)
         hot = (self.hot_row_of(layer).index_select(-1, slots) >= 0) | (slots.view(1, -1) < self.c0)  # [H|1, n]
         zero = torch.zeros((), dtype=e.dtype, device=e.device)
         if hot.shape[0] == 1 or d.head is None:
