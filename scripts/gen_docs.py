@@ -1,12 +1,13 @@
-"""Generate the API reference (``docs/reference/*.md``) from the public API's docstrings, and the
+"""Generate the API reference (``docs/reference/*.md``) from the public API's docstrings, the
 registry tables (cache kinds, storage formats, position maps, the lab's commands) from the
-registries themselves.
+registries themselves, and the results pages (``docs/results/*.md``, and the README's "results at
+a glance" table) from the JSON files the lab wrote into ``docs/results/`` (``scripts/results_pages.py``).
 
     python scripts/gen_docs.py            # write docs/reference/
     python scripts/gen_docs.py --check    # exit 1 if a committed page differs from a fresh generation
 
-``tests/test_docs.py`` runs the check, so a docstring or registry changed without regenerating
-fails the suite. The pages are plain Markdown: a module's public names are its ``__all__``; each
+``tests/test_docs.py`` runs the check, so a docstring, registry or result changed without
+regenerating fails the suite. The pages are plain Markdown: a module's public names are its ``__all__``; each
 object is documented once, on the page of the first module that lists it.
 """
 
@@ -21,6 +22,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "reference"
+sys.path.insert(0, str(ROOT / "scripts"))
+import results_pages  # noqa: E402  (scripts/ is not a package)
+
+RESULTS = ROOT / "docs" / "results"
+README = ROOT / "README.md"
+GLANCE = ("<!-- results-at-a-glance -->", "<!-- /results-at-a-glance -->")
+
+#: lab commands whose results are not kept in docs/results (long runs, or real weights): listed on
+#: the results index with what they measure
+OTHER_COMMANDS = (
+    ("streamkv lm-eval --json out/lm_eval.json --plot out/lm_eval.png",
+     "every cache kind on SmolLM2-135M over 16,384 tokens of Moby-Dick at matched memory: perplexity and "
+     "attention error against the full cache and the per-query oracle (about an hour on a 2-core CPU; "
+     "`--quick` for a few minutes)"),
+    ("streamkv positions --json out/positions.json --plot out/positions.png",
+     "every position map with every kind and read path against a float64 reference; one compiled graph; "
+     "sliding-window LLMs; StreamingLLM on SmolLM2; the cost of rotating at read; the small video model past "
+     "its training window"),
+    ("streamkv certify --json out/certify-ring.json",
+     "certified attention with block boxes on synthetic and DiT attention: every certificate against the "
+     "float64 truth, how tight it is, what recall costs"),
+    ("streamkv certify --real --perplexity --json out/tier_real.json",
+     "the compressed tier and the two-tier cache on SmolLM2's and the video model's own attention, at matched "
+     "device bytes, with SmolLM2's perplexity"),
+    ("streamkv video-eval --json out/video_eval.json --plot out/video_eval.png",
+     "the caches judged on the small trained video model: error against full history, sprite tracking, "
+     "revisits, attention mass held"),
+    ("streamkv fuzz --layouts 3200 --json out/fuzz.json",
+     "the differential fuzzer: random layouts and call sequences, rejected calls change nothing, every read "
+     "and certificate checked"),
+    ("streamkv fork --memory --no-video --out out/fork",
+     "branches at the Self-Forcing shape: bytes per branch against full copies, fork time, a branch's read"),
+    ("streamkv bench --read --json out/bench-read.json",
+     "one read per storage format, position map, compressed tier and paged branch against the dense read"),
+)
 
 #: page -> (title, one-line summary, modules documented on it, in order)
 PAGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -178,6 +214,31 @@ def index_page() -> str:
             "| [Registries](registries.md) | cache kinds, storage formats, position maps, lab commands |\n")
 
 
+def results_index() -> str:
+    rows = "".join(f"| [{r.title}]({r.name}.md) | `{r.command}` |\n" for r in results_pages.RESULTS
+                   if results_pages.load(r) is not None)
+    others = "".join(f"- `{cmd}`: {what}.\n" for cmd, what in OTHER_COMMANDS)
+    return (HEADER.replace("the docstrings", "the JSON files here") + "# Results\n\nEach page below shows one lab command, the JSON it wrote (kept in this folder), "
+            "its plots, what the run covers, and tables read from that JSON. They ran on a shared 2-core CPU; each "
+            "JSON records the versions and the machine. CPU timings are noisy: compare ratios within one run. Back "
+            "to the [documentation index](../index.md).\n\n| page | command |\n|---|---|\n" + rows +
+            "\n## Other commands of the lab\n\nTheir results are not kept here; run them to measure on your "
+            "machine (`streamkv COMMAND --help` for the options):\n\n" + others)
+
+
+def glance_table() -> str:
+    rows = ["| what | result | details |", "|---|---|---|"]
+    rows += [f"| {what} | {number} | [page](docs/results/{page}) |" for what, number, page in results_pages.glance_rows()]
+    return "\n".join(rows)
+
+
+def readme_text() -> str:
+    text = README.read_text()
+    a = text.index(GLANCE[0]) + len(GLANCE[0])
+    b = text.index(GLANCE[1])
+    return text[:a] + "\n" + glance_table() + "\n" + text[b:]
+
+
 def generate() -> dict[str, str]:
     seen: dict[int, str] = {}
     pages = {f"{page}.md": module_page(title, summary, mods, seen, page)
@@ -187,24 +248,40 @@ def generate() -> dict[str, str]:
     return {name: re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n" for name, text in pages.items()}
 
 
+def generate_results() -> dict[str, str]:
+    """docs/results/*.md: one page per JSON present, and the index."""
+    header = "<!-- generated by scripts/gen_docs.py from the JSON beside it: do not edit by hand -->\n\n"
+    pages = {f"{r.name}.md": header + results_pages.page(r, data) for r in results_pages.RESULTS
+             if (data := results_pages.load(r)) is not None}
+    pages["index.md"] = results_index()
+    return {name: re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n" for name, text in pages.items()}
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated file (path -> text): the reference, the results pages, the README."""
+    out = {OUT / n: t for n, t in generate().items()}
+    out.update({RESULTS / n: t for n, t in generate_results().items()})
+    out[README] = readme_text()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--check", action="store_true", help="compare with docs/reference/ instead of writing")
     args = parser.parse_args(argv)
-    pages = generate()
+    files = outputs()
+    extra = [p for d in (OUT, RESULTS) for p in d.glob("*.md") if p not in files]
     if args.check:
-        stale = [n for n, t in pages.items() if not (OUT / n).exists() or (OUT / n).read_text() != t]
-        extra = [p.name for p in OUT.glob("*.md") if p.name not in pages]
-        for name in stale + extra:
-            print(f"docs/reference/{name} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
+        stale = [p for p, t in files.items() if not p.exists() or p.read_text() != t]
+        for path in stale + extra:
+            print(f"{path.relative_to(ROOT)} is out of date: run python scripts/gen_docs.py", file=sys.stderr)
         return 1 if stale or extra else 0
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, text in pages.items():
-        (OUT / name).write_text(text)
-    for path in OUT.glob("*.md"):
-        if path.name not in pages:
-            path.unlink()
-    print(f"wrote {len(pages)} pages to {OUT.relative_to(ROOT)}")
+    for path, text in files.items():
+        path.write_text(text)
+    for path in extra:
+        path.unlink()
+    print(f"wrote {len(files)} files: docs/reference/, docs/results/, README.md's results table")
     return 0
 
 

@@ -45,15 +45,24 @@ def prose(text: str) -> str:
     return re.sub(r"\]\([^)]*\)", "]", text)
 
 
-def test_the_reference_is_a_fresh_generation():
-    """docs/reference/ is what scripts/gen_docs.py writes now: a docstring or registry changed
-    without regenerating fails here (fix: python scripts/gen_docs.py)."""
+def test_the_generated_pages_are_a_fresh_generation():
+    """docs/reference/, docs/results/*.md and the README's results table are what
+    scripts/gen_docs.py writes now: a docstring, registry or result JSON changed without
+    regenerating fails here (fix: python scripts/gen_docs.py)."""
     gen = load_generator()
-    pages = gen.generate()
-    committed = {p.name: p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md")}
-    assert set(committed) == set(pages), "run python scripts/gen_docs.py"
-    stale = [name for name, text in pages.items() if committed[name] != text]
+    files = gen.outputs()
+    for folder in ("reference", "results"):
+        committed = {p for p in (ROOT / "docs" / folder).glob("*.md")}
+        assert committed == {p for p in files if p.parent.name == folder}, "run python scripts/gen_docs.py"
+    stale = [str(p.relative_to(ROOT)) for p, text in files.items() if p.read_text() != text]
     assert not stale, f"out of date: {stale}; run python scripts/gen_docs.py"
+
+
+def test_every_result_number_comes_from_its_json():
+    """Each results page names its JSON, and the JSON is in docs/results/ beside it."""
+    for page in (ROOT / "docs" / "results").glob("*.md"):
+        if page.name != "index.md":
+            assert (page.parent / page.name.replace(".md", ".json")).exists(), page
 
 
 def test_the_registry_tables_list_every_entry():
