@@ -40,9 +40,6 @@ OTHER_COMMANDS = (
      "every position map with every kind and read path against a float64 reference; one compiled graph; "
      "sliding-window LLMs; StreamingLLM on SmolLM2; the cost of rotating at read; the small video model past "
      "its training window"),
-    ("streamkv certify --json out/certify-ring.json",
-     "certified attention with block boxes on synthetic and DiT attention: every certificate against the "
-     "float64 truth, how tight it is, what recall costs"),
     ("streamkv certify --real --perplexity --json out/tier_real.json",
      "the compressed tier and the two-tier cache on SmolLM2's and the video model's own attention, at matched "
      "device bytes, with SmolLM2's perplexity"),
