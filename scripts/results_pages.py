@@ -28,7 +28,7 @@ def g(x: float, digits: int = 3) -> str:
 
 
 def pct(x: float) -> str:
-    return f"{x:+.2f}%"
+    return f"{x:+,.0f}%" if abs(x) >= 10 else f"{x:+.2g}%"
 
 
 def mib(n: float) -> str:
@@ -158,14 +158,23 @@ def render_quant(d):
     rows += ["", "Targets the run checked:", ""]
     for t in d["targets"]:
         v = t["value"]
-        shown = (f"{v['best_quantised']} {g(v['perplexity'], 4)} against {v['best_bf16']} {g(v['bf16_perplexity'], 4)}"
-                 if isinstance(v, dict) else g(v))
+        if isinstance(v, dict):
+            shown = f"{v['best_quantised']} {g(v['perplexity'], 4)} against {v['best_bf16']} {g(v['bf16_perplexity'], 4)}"
+        elif "perplexity" in t and "bf16" in t:
+            shown = pct(100 * (t["perplexity"] / t["bf16"] - 1))
+        elif "%" in t["goal"]:
+            shown = pct(100 * v)  # a relative change, as its goal is written
+        else:
+            shown = g(v)
         rows.append(f"- {t['target']}: {shown} (goal {t['goal']}): {'met' if t['met'] else '**not met**'}.")
     best = min(quarter, key=lambda r: r["perplexity"])
     i8 = next(r for r in full if r["cache"] == "streamkv ring int8")
+    i4 = next(r for r in full if r["cache"] == "streamkv ring int4")
     glance = "int8 / int4 KV storage on SmolLM2-135M (2,048 tokens of Moby-Dick)"
-    number = (f"int8 perplexity {pct(100 * (i8['perplexity'] / bf16['perplexity'] - 1))} vs bf16 at "
-              f"{i8['bytes_per_token'] / bf16['bytes_per_token']:.3f}x the bytes; at a quarter of the bytes, "
+    number = (f"perplexity vs bf16: int8 {pct(100 * (i8['perplexity'] / bf16['perplexity'] - 1))} at "
+              f"{i8['bytes_per_token'] / bf16['bytes_per_token']:.3f}x the bytes per token, int4 "
+              f"{pct(100 * (i4['perplexity'] / bf16['perplexity'] - 1))} at "
+              f"{i4['bytes_per_token'] / bf16['bytes_per_token']:.3f}x; in a quarter of the full cache's bytes, "
               f"{best['cache'].replace('streamkv ', '')} {pct(100 * (best['perplexity'] / bf16['perplexity'] - 1))}")
     return "\n".join(rows), glance, number
 
