@@ -88,6 +88,36 @@ def rst_to_md(text: str) -> str:
     return text
 
 
+SECTION = re.compile(r"(Args|Arguments|Parameters|Returns|Raises|Yields|Attributes|Shapes|Example|Examples|Note|Notes):\s*$")
+
+
+def google_sections(doc: str) -> str:
+    """Google-style sections as Markdown: the heading in bold, each ``name: text`` entry a list
+    item (its continuation lines joined to it), so that they do not run into one paragraph."""
+    out: list[str] = []
+    section = False
+    for line in doc.split("\n"):
+        m = SECTION.fullmatch(line.strip()) if not line.startswith(" ") else None
+        if m:
+            out += ["", f"**{m.group(1)}:**", ""]
+            section = True
+            continue
+        if section and line.startswith("    "):
+            body = line[4:]
+            if body.startswith(" ") and out and out[-1].startswith("- "):
+                out[-1] += " " + body.strip()
+            else:
+                entry = re.match(r"([\w*, .`]+?):\s+(.*)", body)
+                out.append(f"- `{entry.group(1)}`: {entry.group(2)}" if entry and len(entry.group(1)) < 40
+                           else f"- {body.strip()}")
+            continue
+        if section and line.strip():
+            out.append("")
+        section = section and not line.strip() == "" and line.startswith(" ")
+        out.append(line)
+    return "\n".join(out)
+
+
 def clean(text: str) -> str:
     """Remove what changes between runs (object addresses)."""
     return re.sub(r" at 0x[0-9a-f]+", "", text)
@@ -105,7 +135,7 @@ def doc_block(obj: object) -> str:
     doc = inspect.getdoc(obj)
     if not doc:
         return "*(no docstring)*\n"
-    return rst_to_md(doc).rstrip() + "\n"
+    return google_sections(rst_to_md(doc)).rstrip() + "\n"
 
 
 def members(cls: type) -> list[tuple[str, object]]:
