@@ -196,6 +196,23 @@ def render_certify(d):
     return "\n".join(rows), glance, number
 
 
+def render_positions(d):
+    rows = ["| map | layouts (kind x read path) | comparisons | max abs difference from the float64 reference | "
+            "recompiles |", "|---|---|---|---|---|"]
+    for name, r in d["maps"].items():
+        rows.append(f"| `{name}` | {r['layouts']} | {r['comparisons']:,} | {r['max_abs_diff']:.1e} | {r['recompiles']} |")
+    sw = d["sliding_window"]
+    rows += ["", f"A deliberately wrong map (the current chunk one unit off) differs by {g(d['wrong_map']['max_abs_diff'])}: "
+             f"the comparison catches it. Sliding-window models ({', '.join(sw['models'])}): tokens equal to "
+             f"transformers' own cache: {'yes' if sw['tokens_equal'] else 'no'}; largest logit difference "
+             f"{sw['max_logit_diff']:.1e}."]
+    worst = max(r["max_abs_diff"] for r in d["maps"].values())
+    glance = "every position map with every kind and read path (RoPE at read)"
+    number = (f"{sum(r['comparisons'] for r in d['maps'].values()):,} comparisons, largest difference from the "
+              f"float64 reference {worst:.1e}")
+    return "\n".join(rows), glance, number
+
+
 RESULTS = (
     Result("bench", "Cache maintenance", "streamkv bench --preset self-forcing --no-scaling --no-end-to-end --no-counts "
            "--json docs/results/bench.json", (),
@@ -227,6 +244,14 @@ RESULTS = (
            "tokens are summarised in blocks of 24 (float16 key boxes rounded outward); every query's certificate is "
            "compared with float64 attention over the whole history. No recall in this run (`--recall` adds it).",
            render_certify),
+    Result("positions", "Position maps and RoPE at read", "streamkv positions --json docs/results/positions.json "
+           "--plot docs/results/positions.png", ("positions.png",),
+           "Every map of the registry with every cache kind, read in physical order and (window kinds) in position "
+           "order, through fills and wraps, with causal and window masks, grouped queries, LLM spans and video "
+           "chunks, 1D and Wan 3D RoPE, against a float64 reference that keeps every token and rotates raw keys by "
+           "the map's plain-Python rule. Also: sliding-window LLMs in transformers, StreamingLLM on SmolLM2, the "
+           "cost of rotating at read, and the small video model past its training window (in the JSON).",
+           render_positions),
     Result("quant", "Quantised storage", "streamkv quant --clips 1 --json out/quant.json --plot out/quant.png", ("quant.png",),
            "SmolLM2-135M-Instruct (float32) on 2,048 tokens of Moby-Dick in spans of 64, every layer on the cache; "
            "`bf16` is streamkv's bf16 storage of the model's K/V; 4 bits and fewer use the Hadamard basis; "
