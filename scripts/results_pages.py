@@ -229,7 +229,10 @@ RESULTS = (
            "The library's `tiny` DiT (random weights: this is a parity and cost check, not a quality one) with "
            "guidance 3, streams of 8 and 4 chunks with a switch to a second prompt, the first eviction at chunk 3 "
            "and two wraps of the ring. The scored kinds keep other tokens than the window, so their rows are their "
-           "approximation error on random weights, not a defect.", render_rollout),
+           "approximation error on random weights, not a defect. Times are medians over the chunks of a run that "
+           "shared the CPU with other jobs; at this size (96 tokens of history) cache maintenance is under 2 ms for "
+           "every kind and the differences between kinds are within the noise: the cost of maintenance at real "
+           "shapes is on the [cache maintenance](bench.md) page.", render_rollout),
     Result("pareto", "Mass budget against a fixed window", "streamkv pareto --json docs/results/pareto.json --plot "
            "docs/results/pareto.png", ("pareto.png", "pareto-sinks.png"),
            "Synthetic attention (48 frames of 8 tokens, recency decay, keyframes with sink tokens, noise); the "
