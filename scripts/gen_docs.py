@@ -39,7 +39,7 @@ OTHER_COMMANDS = (
     ("streamkv positions --json out/positions.json --plot out/positions.png",
      "every position map with every kind and read path against a float64 reference; one compiled graph; "
      "sliding-window LLMs; StreamingLLM on SmolLM2; the cost of rotating at read; the small video model past "
-     "its training window (about six minutes on a 2-core CPU)"),
+     "its training window"),
     ("streamkv certify --real --perplexity --json out/tier_real.json",
      "the compressed tier and the two-tier cache on SmolLM2's and the video model's own attention, at matched "
      "device bytes, with SmolLM2's perplexity"),
