@@ -247,13 +247,15 @@ RESULTS = (
            "tokens are summarised in blocks of 24 (float16 key boxes rounded outward); every query's certificate is "
            "compared with float64 attention over the whole history. No recall in this run (`--recall` adds it).",
            render_certify),
-    Result("positions", "Position maps and RoPE at read", "streamkv positions --json docs/results/positions.json "
-           "--plot docs/results/positions.png", ("positions.png",),
+    Result("positions", "Position maps and RoPE at read", "streamkv positions --quick --json "
+           "docs/results/positions.json --plot docs/results/positions.png", ("positions.png",),
            "Every map of the registry with every cache kind, read in physical order and (window kinds) in position "
            "order, through fills and wraps, with causal and window masks, grouped queries, LLM spans and video "
            "chunks, 1D and Wan 3D RoPE, against a float64 reference that keeps every token and rotates raw keys by "
            "the map's plain-Python rule. Also: sliding-window LLMs in transformers, StreamingLLM on SmolLM2, the "
-           "cost of rotating at read, and the small video model past its training window (in the JSON).",
+           "cost of rotating at read, and the small video model past its training window (in the JSON). This is the "
+           "`--quick` run: the exactness sections are complete; StreamingLLM runs on a tiny Llama instead of "
+           "SmolLM2, the cost on the small preset, and the video model 2x (not 8x) past its window.",
            render_positions),
     Result("quant", "Quantised storage", "streamkv quant --clips 1 --json out/quant.json --plot out/quant.png", ("quant.png",),
            "SmolLM2-135M-Instruct (float32) on 2,048 tokens of Moby-Dick in spans of 64, every layer on the cache; "
