@@ -206,6 +206,14 @@ def render_positions(d):
              f"the comparison catches it. Sliding-window models ({', '.join(sw['models'])}): tokens equal to "
              f"transformers' own cache: {'yes' if sw['tokens_equal'] else 'no'}; largest logit difference "
              f"{sw['max_logit_diff']:.1e}."]
+    for name, c in d["cost"].items():
+        r, ms = c["ratios"], c["ms"]
+        rows += ["", f"Cost of one read at the `{name}` preset ({c['slots']:,} slots, {c['queries']} queries, "
+                 f"{c['dtype']}): rotating at read took {g(ms['rotate_at_read'])} ms against {g(ms['prerotated'])} ms "
+                 f"over keys rotated before the write ({r['rotate_at_read_vs_prerotated']:.1f}x; target "
+                 f"`{c['target']}`: {'met' if c['target_met'] else '**not met**'}). At this size a read over pre-rotated keys takes a fraction "
+                 f"of a millisecond, and the fixed cost of the block-by-block path dominates; the full run (without "
+                 f"`--quick`) times the Self-Forcing and LingBot shapes."]
     worst = max(r["max_abs_diff"] for r in d["maps"].values())
     glance = "every position map with every kind and read path (RoPE at read)"
     number = (f"{sum(r['comparisons'] for r in d['maps'].values()):,} comparisons, largest difference from the "
