@@ -87,17 +87,17 @@ def test_refusals():
         sw.build_windowed_cache(llama.config, chunk=4, full_window=8, positions="streaming_llm")
 
 
-def test_the_readme_example_runs(tmp_path):
+def test_the_guide_example_runs(tmp_path):
     import re
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     tiny_model("mistral", dtype=torch.float32).save_pretrained(tmp_path / "tiny")
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("### transformers: sliding-window and mixed models")
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "transformers.md").read_text()
+    start = text.index("## Sliding-window and mixed models")
     code = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
     scope = {"name": str(tmp_path / "tiny"), "ids": torch.randint(1, 96, (1, 100)),
              "AutoModelForCausalLM": AutoModelForCausalLM}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/guides/transformers.md", "exec"), scope)
     assert scope["out"].shape == (1, 132) and scope["cache"].get_seq_length() == 131

@@ -197,7 +197,7 @@ class Ring(_Window):
 
 
 class Chronological(_Window):
-    """The current path: sinks pinned, the window in position order, rolled left on overflow."""
+    """Sinks pinned, the window kept in position order and rolled left on overflow (as most published code does)."""
 
     name = "chronological"
     cache_properties = ("write_start",)
