@@ -299,7 +299,7 @@ def _sdpa(qt: Tensor, read: KVRead, seg, causal: bool, window: int | None, scale
 
 def _prefix(seg, visible: int):
     """A dense segment's first ``visible`` rows (the occupied prefix of a filling window cache)."""
-    return dataclasses.replace(seg, n=visible, positions=seg.positions[:, :visible],
+    return dataclasses.replace(seg, n=visible, positions=seg.positions[:, :visible], visible=True,
                                keys=seg.keys.narrow(-2, 0, visible), values=seg.values.narrow(-2, 0, visible))
 
 
