@@ -6,6 +6,7 @@ line, the whole report as one JSON object.
 
     python scripts/gpu_check.py --json out/gpu_check.json          # on a CUDA machine
     python scripts/gpu_check.py --only triton_read                 # section 7 alone
+    python scripts/gpu_check.py --only dispatch                    # section 8 alone
     python scripts/gpu_check.py --dry-run                          # CPU: every path, small shapes
     python scripts/gpu_check.py --device cpu --quick               # the older smoke run
 
@@ -52,6 +53,11 @@ Sections, in run order (each prints PASS/FAIL lines; the exit status is 1 if any
    without RoPE at read; a tier-like extra segment) against SDPA and FlashAttention where installed.
    In the dry run the kernels run in the interpreter (in a fresh process where this one imported
    triton before ``TRITON_INTERPRET=1`` could be set).
+8. ``attend(..., kernel=)`` through the dispatcher (``check_dispatch``, JSON key ``dispatch``,
+   ``--dispatch-budget-s``, ``--only dispatch``): real rings at the same three shapes, bf16 / int8 /
+   fp8 / int4, with and without RoPE at read, contiguous and a forked paged branch, read by auto (its
+   choice and reason recorded), forced SDPA and forced Triton (refusals recorded with the reason),
+   ratios against SDPA over the dense bf16 ring.
 
 On the CPU (``--device cpu``) graphs are skipped (printed as SKIP) and compile uses the
 ``aot_eager`` backend with ``--quick``.
@@ -730,6 +736,139 @@ def check_triton_read(device: torch.device, dry: bool, budget_s: float) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- 8
+def _dispatch_cache(name: str, fmt: str | None, group: int | None, rope: bool, paged: bool, dry: bool,
+                    device: torch.device):
+    """A ring at a timing shape (:data:`TRITON_SHAPES`), full past its first wrap, its last span open
+    and written: bf16 rows or codes of ``fmt``, raw keys rotated at read (FrameRope ``cache_relative``
+    on the video shapes, Rope1D ``absolute`` on SmolLM2's) or keys as written, and with ``paged`` a
+    forked branch that wrote a chunk after the fork (its page table no longer the identity). Returns
+    ``(cache, q, shape)``; ``q`` in the cache's chunk layout ``[B, span, Hq, D]``."""
+    from streamkv import KVCache
+    from streamkv.rope import Rope3D
+    from streamkv.rope_at_read import RopeAtRead
+    from streamkv.rotary import FrameRope, Rope1D
+    from streamkv.stores import KVQuant
+
+    s = _triton_shape(name, dry)
+    H, Hq, D, S, Q, B = s["heads"], s["q_heads"], s["dim"], s["slots"], s["queries"], s["batch"]
+    video = s["rotary"] == "frame"
+    frame = (4 if dry else 1560) if video else 1
+    sink = (3 * frame if name == "lingbot-world" else 0) if video else 4
+    fill = Q if Q > 1 else (8 if dry else 256)
+    rotation = None
+    if rope:
+        rotation = (RopeAtRead(FrameRope(Rope3D(D, 2, 2) if dry else Rope3D(D, 30, 52, max_frames=1 << 16)),
+                               "cache_relative") if video else RopeAtRead(Rope1D(D, theta=100000.0), "absolute"))
+    quant = None if fmt is None else KVQuant(fmt, group=None if group is None else min(group, D), check_finite=False)
+    dt = torch.bfloat16
+    cache = KVCache((B, S, H, D), (B, S, H, D), seq_dim=1, sink=sink, window=S - sink, chunk=fill, policy="ring",
+                    dtype=dt, device=device, quant=quant, rope_at_read=rotation, pages=True if paged else None)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def span(c, n, commit=True):
+        c.begin_tokens(n)
+        c.write(*(torch.randn(B, n, H, D, device=device, generator=gen).to(dt) for _ in range(2)), layer=0)
+        if commit:
+            c.commit()
+
+    for _ in range(-(-S // fill) + 1):
+        span(cache, fill)
+    if paged:
+        cache, _ = cache.fork(2)
+        span(cache, fill)
+    span(cache, Q, commit=False)
+    return cache, torch.randn(B, Q, Hq, D, device=device, generator=gen).to(dt), s
+
+
+def check_dispatch(device: torch.device, dry: bool, budget_s: float) -> dict:
+    """``attend(..., kernel=)`` timed through the dispatcher (JSON key ``dispatch``): at the Self-Forcing,
+    LingBot-World and SmolLM2-decode shapes, real rings (bf16 rows and int8 / fp8 / int4 codes; keys as
+    written or raw keys rotated at read; contiguous or a forked paged branch), each read by
+    ``kernel="auto"`` (what it chose and why recorded), ``"sdpa"`` (a refusal recorded with its reason
+    where it cannot serve the read) and ``"triton"`` (idem), against SDPA over the dense bf16 ring of the
+    same shape (``vs_dense_sdpa``). Outputs of auto and forced Triton are compared (max |diff|). The
+    block loop is timed only in the dry run (on a GPU at these shapes its explicit scores would take
+    gigabytes). Rows stop where the budget says, saying so. In the dry run the kernels run in Triton's
+    interpreter (in a fresh process where this one imported triton first)."""
+    import importlib.util
+
+    from streamkv.attention import attend
+
+    if importlib.util.find_spec("triton") is None:
+        record("attend dispatch", None, "triton is not installed (pip install triton==3.9.0)")
+        return {"skipped": "triton is not installed"}
+    if device.type == "cpu":
+        from streamkv.kernels import interpreter_reason
+
+        if interpreter_reason() is not None:
+            return _in_a_fresh_process("dispatch", budget_s)
+    t0 = time.perf_counter()
+    left = lambda: budget_s - (time.perf_counter() - t0)  # noqa: E731
+    timed = (lambda fn: _time_once(fn, device)) if dry else (lambda fn: _timed(fn, device, 10))  # noqa: E731
+    kernels = ("auto", "sdpa", "triton") + (("blocks",) if dry else ())
+    out: dict = {"budget_s": budget_s, "shapes": {}}
+    worst_diff, skipped = 0.0, []
+    for shape in TRITON_SHAPES:
+        rows: dict = {}
+        dense_sdpa = None
+        for fmt, group in TRITON_FORMATS.items():
+            for rope in (False, True):
+                for paged in (False, True):
+                    label = f"{fmt}{' + rope at read' if rope else ''}{' + paged fork' if paged else ''}"
+                    if left() < (1 if dry else 10):
+                        rows[label] = None
+                        skipped.append(f"{shape}: {label}")
+                        continue
+                    cache, q, s = _dispatch_cache(shape, None if fmt.startswith("bf16") else fmt, group, rope, paged,
+                                                  dry, device)
+                    read = cache.read(0)
+                    row: dict = {}
+                    outs = {}
+                    for k in kernels:
+                        try:
+                            o, info = attend(q, read, causal=s["causal"], kernel=k)
+                        except ValueError as exc:
+                            row[k] = {"refused": str(exc)}
+                            continue
+                        outs[k] = o
+                        row[k] = {"ms": timed(lambda k=k: attend(q, read, causal=s["causal"], kernel=k)),
+                                  "ran": info.kernel, "why": info.kernel_reason}
+                    if "auto" in outs and "triton" in outs:
+                        d = float((outs["auto"].float() - outs["triton"].float()).abs().max())
+                        row["auto_vs_triton_max_abs_diff"] = d
+                        if row["auto"]["ran"] != "triton":
+                            worst_diff = max(worst_diff, d)
+                    if label == "bf16 (dense)":
+                        dense_sdpa = row.get("sdpa", {}).get("ms")
+                    rows[label] = row
+                    del cache, q, read, outs
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        for row in rows.values():
+            for k in kernels:
+                if row is not None and dense_sdpa and "ms" in row.get(k, {}):
+                    row[k]["vs_dense_sdpa"] = row[k]["ms"] / dense_sdpa
+        out["shapes"][shape] = {"shape": _triton_shape(shape, dry), "dense_sdpa_ms": dense_sdpa, "rows": rows}
+        done = {k: v for k, v in rows.items() if v is not None}
+        record_figure(f"attend dispatch at {shape}", True, "; ".join(
+            f"{lab}: " + ", ".join(f"{k} {r[k]['ms']:.3f} ms" + (f" ({r[k]['vs_dense_sdpa']:.2f}x)"
+                                                                  if "vs_dense_sdpa" in r[k] else "")
+                                   + (f" [{r[k]['ran']}]" if k == "auto" else "")
+                                   for k in kernels if "ms" in r.get(k, {}))
+            for lab, r in done.items()))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["skipped_for_time"] = skipped
+    out["seconds"] = time.perf_counter() - t0
+    # auto picked another kernel than Triton (SDPA on plain rows, or the block loop): both exact reads of the
+    # same tokens, within the rounding of bf16 attention
+    record("attend dispatch: auto = forced Triton (bf16 rounding)", worst_diff <= 0.05,
+           f"max |auto - triton| over the rows where auto ran another kernel: {worst_diff:.2e}"
+           + (f"; skipped for time: {len(skipped)} rows" if skipped else ""))
+    return out
+
+
 def _time_once(fn, device: torch.device) -> float:
     """ms of one call (the dry run: the interpreter's times say nothing of the kernel's)."""
     t = time.perf_counter()
@@ -740,25 +879,32 @@ def _time_once(fn, device: torch.device) -> float:
 def _triton_read_in_a_fresh_process(budget_s: float) -> dict:
     """The dry run of :func:`check_triton_read` in a process that sets ``TRITON_INTERPRET=1`` before
     triton is imported; its checks recorded here."""
+    return _in_a_fresh_process("triton_read", budget_s)
+
+
+def _in_a_fresh_process(section: str, budget_s: float) -> dict:
+    """The dry run of section ``section`` (``triton_read`` or ``dispatch``) in a process that sets
+    ``TRITON_INTERPRET=1`` before triton is imported; its checks recorded here."""
     import os
     import subprocess
     import tempfile
 
+    flag = {"triton_read": "--triton-budget-s", "dispatch": "--dispatch-budget-s"}[section]
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "triton_read.json"
+        path = Path(tmp) / f"{section}.json"
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dry-run", "--only", "triton_read",
-                            "--triton-budget-s", str(budget_s), "--json", str(path)], env=env, capture_output=True,
+        r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dry-run", "--only", section,
+                            flag, str(budget_s), "--json", str(path)], env=env, capture_output=True,
                            text=True)
         if not path.exists():
-            record("Triton read (dry run in a fresh process)", False,
+            record(f"{section} (dry run in a fresh process)", False,
                    f"exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
             return {"fresh_process": True, "error": (r.stdout + r.stderr)[-4000:]}
         report = json.loads(path.read_text())
     for c in report["checks"]:
         RESULTS.append((c["check"], c["status"], c["detail"]))
         print(f"[{c['status']}] {c['check']}: {c['detail']} (fresh process)", flush=True)
-    return {**report.get("triton_read", {}), "fresh_process": True}
+    return {**report.get(section, {}), "fresh_process": True}
 
 
 # --------------------------------------------------------------------------- budget, graphs
@@ -1141,7 +1287,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="time budget of the run (default 440 s: a section that would not fit is skipped, saying so)")
     p.add_argument("--triton-budget-s", type=float, default=150.0,
                    help="time budget of the Triton read's section (default 150 s, besides --budget-s)")
-    p.add_argument("--only", choices=["triton_read"], help="run one section (with the environment and the JSON)")
+    p.add_argument("--dispatch-budget-s", type=float, default=90.0,
+                   help="time budget of the attend dispatch section (default 90 s, besides the others)")
+    p.add_argument("--only", choices=["triton_read", "dispatch"],
+                   help="run one section (with the environment and the JSON)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -1163,6 +1312,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "triton_read":
         report["triton_read"] = check_triton_read(device, args.dry_run, args.triton_budget_s)
         return _finish(report, args, t0)
+    if args.only == "dispatch":
+        report["dispatch"] = check_dispatch(device, args.dry_run, args.dispatch_budget_s)
+        return _finish(report, args, t0)
     check_graph_replay(device)
     report["write_paths"] = check_write_paths(device, args.dry_run, backend)
     report["issue21"] = issue21_figures(device, args.dry_run, backend, budget)
@@ -1180,6 +1332,7 @@ def main(argv: list[str] | None = None) -> int:
     if budget.fits("quantised storage", 20 if args.dry_run else 60):
         report["quant"] = check_quant(device, quick)
     report["triton_read"] = check_triton_read(device, args.dry_run, args.triton_budget_s)
+    report["dispatch"] = check_dispatch(device, args.dry_run, args.dispatch_budget_s)
     return _finish(report, args, t0)
 
 

@@ -69,3 +69,14 @@ def test_the_dry_run_exercises_every_section_and_prints_one_json(tmp_path, capsy
         assert statuses[check] == "PASS", check
     assert any(c.startswith("Triton read: ") and c.endswith("cases against float64 (tiny)") and s == "PASS"
                for c, s in statuses.items())
+    dp = report["dispatch"]  # attend(kernel=) through the dispatcher (the interpreter; a fresh process where need be)
+    assert set(dp["shapes"]) == set(mod.TRITON_SHAPES) and not dp["skipped_for_time"]
+    for shape in dp["shapes"].values():
+        rows = shape["rows"]
+        assert len(rows) == 16 and shape["dense_sdpa_ms"] > 0
+        assert rows["bf16 (dense)"]["auto"]["ran"] == "sdpa" and rows["bf16 (dense)"]["triton"]["ran"] == "triton"
+        for label, row in rows.items():
+            assert row["auto"]["ran"] == ("sdpa" if label == "bf16 (dense)" else "blocks"), (label, row["auto"])
+            assert ("refused" in row["sdpa"]) == (label != "bf16 (dense)"), (label, row["sdpa"])
+            assert row["triton"]["ran"] == "triton" and row["triton"]["vs_dense_sdpa"] > 0
+    assert statuses["attend dispatch: auto = forced Triton (bf16 rounding)"] == "PASS"

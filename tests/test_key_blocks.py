@@ -49,7 +49,12 @@ def _signed_permutation(n, g):
 @pytest.mark.parametrize("cuts", [[], [1], [3, 4], [2, 5, 9]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("variant", ["plain", "basis", "slot_maps", "value_dim"])
-def test_block_read_equals_whole_rows(cuts, causal, variant):
+@pytest.mark.parametrize("slices", ["whole", "row by row"])
+def test_block_read_equals_whole_rows(cuts, causal, variant, slices, monkeypatch):
+    """The block loop = whole-row attention (outputs, log-sum-exps, statistics), its statistics pass
+    scoring every query row at once or a row at a time."""
+    if slices != "whole":
+        monkeypatch.setattr("streamkv.blockread._STAT_ELEMENTS", 1)
     g = torch.Generator().manual_seed(len(cuts) * 4 + causal * 2 + len(variant))
     S, Q = 12, 5
     dv = 5 if variant == "value_dim" else D
@@ -73,8 +78,12 @@ def test_block_read_equals_whole_rows(cuts, causal, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_grouped_queries_and_newest_rows(dtype):
-    """Grouped-query attention (6 query heads on 3 key heads) and a statistic over the newest 2 rows."""
+@pytest.mark.parametrize("slices", ["whole", "row by row"])
+def test_grouped_queries_and_newest_rows(dtype, slices, monkeypatch):
+    """Grouped-query attention (6 query heads on 3 key heads) and a statistic over the newest 2 rows
+    (scored at once, or a folded row at a time)."""
+    if slices != "whole":
+        monkeypatch.setattr("streamkv.blockread._STAT_ELEMENTS", 1)
     g = torch.Generator().manual_seed(5)
     S, Q = 12, 4
     q = torch.randn(B, 2 * H, Q, D, generator=g, dtype=dtype)
@@ -235,3 +244,86 @@ def test_an_evicted_nan_value_does_not_poison_later_reads():
             checked += c.end > 7
         c.commit()
     assert checked  # the NaN token entered, was evicted, and later reads were checked
+
+
+def test_page_runs_cut_the_blocks_and_each_block_is_a_view():
+    """Over a page table (host pages known) a block never crosses the end of a run of consecutive
+    physical pages, so every block is read as a view of the buffers (no copy), and the read equals
+    the one over the rows in logical order."""
+    from dataclasses import replace
+
+    import streamkv.stores.base as base
+
+    g = torch.Generator().manual_seed(13)
+    P, pages, S = 2, (4, 5, 0, 1, 2, 6), 12  # logical page -> physical page: runs [0, 2) [2, 5) [5, 6)
+    k, v = (torch.randn(B, H, 7 * P, D, generator=g, dtype=torch.float64) for _ in range(2))
+    rows = torch.tensor([p * P + r for p in pages for r in range(P)])
+    pos = torch.arange(S).expand(H, -1)
+    seg = Segment(n=S, positions=pos, keys=k, values=v, features=(D, D), dtype=torch.float64,
+                  pages=torch.tensor(pages), page=P, host_pages=pages)
+    assert seg.cuts(16) == [(0, 4), (4, 10), (10, 12)]
+    assert seg.cuts(4) == [(0, 4), (4, 8), (8, 10), (10, 12)]
+    assert replace(seg, host_pages=None).cuts(5) == [(0, 5), (5, 10), (10, 12)]  # traced: the table on the device
+    copies = []
+    cat = torch.cat
+    try:
+        base.torch.cat = lambda *a, **kw: copies.append(1) or cat(*a, **kw)
+        q = torch.randn(B, H, 3, D, generator=g, dtype=torch.float64)
+        dims = Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=3)
+        got = read_blocks(q, BlockPlan([seg], dims, 0.5, None, False, None, None, None, S, block=16)).out
+    finally:
+        base.torch.cat = cat
+    assert not copies
+    flat = Segment(n=S, positions=pos, keys=k[..., rows, :], values=v[..., rows, :], features=(D, D),
+                   dtype=torch.float64)
+    want = read_blocks(q, BlockPlan([flat], dims, 0.5, None, False, None, None, None, S, block=16)).out
+    assert torch.allclose(got, want, rtol=1e-13, atol=1e-14)
+
+
+def test_a_segment_every_row_of_which_is_visible_is_read_without_a_mask(monkeypatch):
+    """``Segment.visible`` (a host promise, from a full window cache's occupancy): the CPU fused kernel
+    gets no mask, and the read equals the masked one; a full ring's read sets it, a filling one not."""
+    import streamkv.blockread as br
+    from streamkv import KVCache
+    from streamkv.attention import attend
+
+    masks = []
+    fused = br._FUSED_CPU
+    monkeypatch.setattr(br, "_FUSED_CPU", lambda *a, attn_mask=None, **kw: masks.append(attn_mask) or fused(
+        *a, attn_mask=attn_mask, **kw))
+    cache = KVCache((1, 12, 2, 8), (1, 12, 2, 8), seq_dim=1, sink=2, window=10, chunk=3, policy="ring",
+                    dtype=torch.float32, quant="int8")
+    g = torch.Generator().manual_seed(14)
+    for c in range(6):
+        q, k, v = (torch.randn(1, 3, 2, 8, generator=g) for _ in range(3))
+        cache.begin_chunk(c)
+        read = cache.layer(0).update(k, v)
+        qt, plan = read.block_plan(q.transpose(1, 2), scale=8 ** -0.5)
+        masks.clear()
+        got = read_blocks(qt, plan).out
+        unmasked = [m is None for m in masks]
+        shown = [s.visible for s in plan.segments]
+        want = read_blocks(qt, replace_segments(plan, visible=False)).out
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), (c, (got - want).abs().max())
+        assert not any(shown) and not any(unmasked)  # a quantised store's segments hide rows: always masked
+        cache.commit_chunk(c)
+    dense = KVCache((1, 12, 2, 8), (1, 12, 2, 8), seq_dim=1, sink=2, window=10, chunk=3, policy="ring")
+    for c in range(6):
+        q, k, v = (torch.randn(1, 3, 2, 8, generator=g) for _ in range(3))
+        dense.begin_chunk(c)
+        read = dense.layer(0).update(k, v)
+        masks.clear()
+        out, info = attend(q, read, kernel="blocks")
+        assert torch.allclose(out, attend(q, read, kernel="sdpa")[0], rtol=1e-5, atol=1e-6)
+        # filling: the occupied prefix (visible by definition); full: every slot
+        assert masks and all(m is None for m in masks), (c, read.occupancy)
+        masks.clear()
+        attend(q, read, kernel="blocks", causal=True)
+        assert masks and all(m is not None for m in masks)  # a causal mask is a mask
+        dense.commit_chunk(c)
+
+
+def replace_segments(plan, **changes):
+    from dataclasses import replace
+
+    return replace(plan, segments=[replace(s, **changes) for s in plan.segments], memo=None)

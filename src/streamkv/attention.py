@@ -20,14 +20,16 @@
 ``order="chronological"`` where the read refuses it. ``order="auto"`` picks physical when
 valid. The dispatcher never falls back silently; :class:`AttentionInfo` says which path ran.
 
+The physical read's kernel (``kernel=``, see :func:`attend`): SDPA, the block loop or the Triton
+read; ``"auto"`` chooses, a forced one that cannot serve the read raises naming why.
+
 Scored policies (mass, H2O, TOVA) need the attention of the chunk's queries: when the read
 asks for it (``read.scorer``), the physical path computes the softmax explicitly, a block of
 queries at a time (:mod:`streamkv.scoring`), and hands the per-key statistics of that same
 pass to the policy. No second pass over the cache.
 
-Layouts: ``q`` has the layout of the cache's chunk tensors (the token dim at the cache's
-``seq_dim``, features last; more heads than the keys for grouped-query attention); the output
-has the same layout with the value feature size.
+Layouts: ``q`` in the cache's chunk layout (token dim at ``seq_dim``, features last; more heads
+than the keys for grouped-query attention); the output alike, with the value feature size.
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ from .caches.read import KVRead, Occupancy
 from .storage import position_bias
 from .validate import check_real
 from .blockread import read_blocks
+from .kernels import triton_read, why_not
 from .scoring import blockwise_attention, check_block, fold_groups, unfold_groups
 
-__all__ = ["attend", "AttentionInfo", "Order", "RopeMode"]
+__all__ = ["attend", "AttentionInfo", "Kernel", "KERNELS", "Order", "RopeMode"]
 
 Order = Literal["auto", "physical", "chronological"]
 RopeMode = Literal["absolute", "cache_relative"]
+Kernel = Literal["auto", "sdpa", "blocks", "triton"]
+KERNELS = ("auto", "sdpa", "blocks", "triton")
 
 
 class Readable(Protocol):
@@ -60,14 +65,19 @@ class Readable(Protocol):
 
 @dataclass(frozen=True)
 class AttentionInfo:
-    """Which path ran, how empty slots were handled, how many key rows were read, and the
-    per-query log-sum-exp when asked for."""
+    """Which path ran, how empty slots were handled, how many key rows were read, the per-query
+    log-sum-exp when asked for, and which kernel ran and why (``kernel``: ``"sdpa"``,
+    ``"blocks"``, ``"triton"``; ``"gathered"`` on the chronological path: its own SDPA or explicit
+    softmax over the gathered keys; ``kernel_reason``: why ``kernel="auto"`` chose it, or that it
+    was forced)."""
 
     path: Literal["physical", "chronological"]
     occupancy: Occupancy | None
     keys_read: int
     lse: Tensor | None = None
     scored: bool = False
+    kernel: Literal["sdpa", "blocks", "triton", "gathered"] = "sdpa"
+    kernel_reason: str = ""
 
 
 def attend(
@@ -83,6 +93,7 @@ def attend(
     scale: float | None = None,
     return_lse: bool = False,
     block: int = 256,
+    kernel: Kernel = "auto",
 ) -> tuple[Tensor, AttentionInfo]:
     """Attention of ``q`` over a cache read.
 
@@ -112,43 +123,104 @@ def attend(
         block: query rows per block where the softmax is computed explicitly (slots per block
             where the read loads its keys, ``read.load``; a read that rotates raw keys uses its
             ``RopeAtRead``'s ``block``).
+        kernel: the physical read's kernel: ``"sdpa"`` (one plain dense segment, no statistics
+            and no ``return_lse``), ``"blocks"`` (the block loop, any physical read, any device),
+            ``"triton"`` (the Triton read where :func:`streamkv.kernels.why_not` is None: CUDA, or
+            the CPU under ``TRITON_INTERPRET=1``), or ``"auto"``: SDPA for a plain dense read, else
+            Triton on CUDA tensors where it serves the plan, else the block loop (the CPU always).
+            A forced kernel that cannot serve the read raises; the chronological path takes
+            ``"auto"`` only. ``info.kernel`` and ``info.kernel_reason`` say what ran and why.
+            Decided from types, shapes and devices (no host sync).
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
 
     Raises:
-        ValueError: an invalid path or option (the message says why); a query whose batch,
+        ValueError: an invalid path, kernel or option (the message says why); a query whose batch,
             heads or features do not match the keys; a read of an empty cache.
         TypeError: ``q`` is not a tensor of the cache's dtype.
     """
     read = source if isinstance(source, KVRead) else _read_of(source)
     block = check_block(block)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     path = _check(q, read, order, rope_mode, key_transform, attn_mask, causal, window, return_lse)
     if scale is not None:
         scale = check_real("scale", scale, positive=True)
     qt = read.dims.attention(q)
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else float(scale)
     if path == "chronological":
+        if kernel != "auto":
+            raise ValueError(f"kernel={kernel!r} chooses the physical read's kernel; this read takes the chronological "
+                             f"path (keys gathered in position order), which has its own: pass kernel='auto'")
         out, lse, keys_read = _chronological(qt, read, key_transform, attn_mask, causal, window, scale, return_lse)
-        return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=None, keys_read=keys_read, lse=lse)
+        return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=None, keys_read=keys_read, lse=lse,
+                                                            kernel="gathered", kernel_reason="the chronological path")
     segments = read.segments()
     scored = read.scorer is not None
-    plain = len(segments) == 1 and segments[0].contiguous and read.rope_at_read is None
-    if plain and not scored and not return_lse:
+    not_sdpa = _not_sdpa(read, segments, scored, return_lse)
+    if kernel == "sdpa" and not_sdpa:
+        raise ValueError(f"kernel='sdpa' cannot serve this read of {read.name}: " + "; ".join(not_sdpa))
+    if kernel in ("auto", "sdpa") and not not_sdpa:
         out = _sdpa(qt, read, segments[0], causal, window, scale)
+        why = "forced" if kernel == "sdpa" else "one plain dense segment: SDPA on the buffers as they lie"
         return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=read.occupancy,
-                                                            keys_read=read.visible)
-    if plain and read.occupancy == "prefix":
+                                                            keys_read=read.visible, kernel="sdpa", kernel_reason=why)
+    if len(segments) == 1 and segments[0].contiguous and read.rope_at_read is None and read.occupancy == "prefix":
         segments = [_prefix(segments[0], read.visible)]
     qt, plan = read.block_plan(qt, scale=scale, causal=causal, window=window,
                                statistic=read.statistic if scored else None, block=max(block, _KEY_BLOCK),
                                lse=return_lse, segments=segments)
-    res = read_blocks(qt, plan)
+    ran, why = _choose(kernel, qt, plan, not_sdpa)
+    res = triton_read(qt, plan) if ran == "triton" else read_blocks(qt, plan)
     if scored:
         read.scorer(res.key_max, res.key_sum)
     info = AttentionInfo(path=path, occupancy=read.occupancy, keys_read=sum(s.n for s in segments), lse=res.lse,
-                         scored=scored)
+                         scored=scored, kernel=ran, kernel_reason=why)
     return read.dims.from_attention(res.out), info
+
+
+def _not_sdpa(read: KVRead, segments: list, scored: bool, return_lse: bool) -> list[str]:
+    """Why SDPA on the buffers as they lie cannot serve this physical read (empty: it can)."""
+    why = []
+    if any(seg.k_codec is not None or seg.v_codec is not None for seg in segments):
+        why.append("it holds quantised codes (decoded a block at a time)")
+    if any(seg.pages is not None for seg in segments):
+        why.append("its rows lie in pages (a page table)")
+    if any(seg.k_basis is not None or seg.v_basis is not None for seg in segments):
+        why.append("its rows are stored in a rotated basis")
+    if read.extras is not None:
+        why.append("an observer adds rows to the read (a compressed tier)")
+    if len(segments) != 1 and not why:
+        why.append(f"the read has {len(segments)} segments")
+    if read.rope_at_read is not None:
+        why.append("its keys are raw and rotated at read by a position map")
+    if scored:
+        why.append("its policy asks the read for per-slot statistics")
+    if return_lse:
+        why.append("return_lse=True asks for the log-sum-exp")
+    return why
+
+
+def _choose(kernel: str, qt: Tensor, plan, not_sdpa: list[str]) -> tuple[str, str]:
+    """The block plan's kernel (``"blocks"`` or ``"triton"``) and why; a forced Triton read that
+    cannot serve the plan raises with :func:`~streamkv.kernels.why_not`'s reason."""
+    if kernel == "blocks":
+        return "blocks", "forced"
+    if kernel == "triton":
+        why = why_not(qt, plan)
+        if why is not None:
+            raise ValueError(f"kernel='triton' cannot serve this read: {why}")
+        return "triton", "forced"
+    plain = "; ".join(not_sdpa)
+    if qt.device.type != "cuda":
+        return "blocks", f"{qt.device.type} tensors (auto picks Triton on CUDA only); not SDPA: {plain}"
+    if torch.compiler.is_compiling():
+        return "blocks", f"under torch.compile (the Triton read runs eager or in a CUDA graph); not SDPA: {plain}"
+    why = why_not(qt, plan)
+    if why is not None:
+        return "blocks", f"the Triton read cannot serve it: {why}; not SDPA: {plain}"
+    return "triton", f"CUDA tensors the Triton read serves; not SDPA: {plain}"
 
 
 #: key rows per block of the block loop (at least; ``attend``'s ``block`` if larger)
@@ -227,7 +299,7 @@ def _sdpa(qt: Tensor, read: KVRead, seg, causal: bool, window: int | None, scale
 
 def _prefix(seg, visible: int):
     """A dense segment's first ``visible`` rows (the occupied prefix of a filling window cache)."""
-    return dataclasses.replace(seg, n=visible, positions=seg.positions[:, :visible],
+    return dataclasses.replace(seg, n=visible, positions=seg.positions[:, :visible], visible=True,
                                keys=seg.keys.narrow(-2, 0, visible), values=seg.values.narrow(-2, 0, visible))
 
 

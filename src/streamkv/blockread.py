@@ -17,7 +17,8 @@ Statistics (``statistic``, :class:`Statistic`): per cache slot and head,
 ``max_i p_ij`` and/or ``sum_i p_ij`` over the selected query rows (the newest ``rows`` of the
 span, or all), the batch and the grouped query heads, where ``p`` is the softmax over every row
 the read attends; float64 ``[H, S]``. They need the final normaliser, so they are a second pass
-over the blocks of the segments that hold cache slots.
+over the blocks of the segments that hold cache slots (maxima taken in the scores' dtype, then
+widened; sums widened a slice of query rows at a time and accumulated in float64).
 
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
@@ -46,6 +47,8 @@ from .stores import Dims, Segment
 __all__ = ["BlockPlan", "Statistic", "read_blocks"]
 
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: elements per slice of query rows widened at a time in the statistics pass (float64: 8 MiB)
+_STAT_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,10 @@ def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None, 
 
 def _blocks(plan: BlockPlan):
     """``(segment, a, b, key)`` for every block of every segment, in order (``key``: the block's
-    name in ``plan.memo`` when its segment is stable, else None)."""
+    name in ``plan.memo`` when its segment is stable, else None). Blocks end where a run of
+    consecutive pages does (:meth:`~streamkv.stores.Segment.cuts`): each block's rows are views."""
     for i, seg in enumerate(plan.segments):
-        for a in range(0, seg.n, plan.block):
-            b = min(a + plan.block, seg.n)
+        for a, b in seg.cuts(plan.block):
             yield seg, a, b, ((i, a, b) if seg.stable else None)
 
 
@@ -202,8 +205,9 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     for seg, a, b, key in _blocks(plan):
         fuse = _fuse(seg, fused)
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
-        hidden = _mask(plan, seg.positions[:, a:b], groups, key=key)
-        k, v = _drop_hidden(k, v, hidden)
+        hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, key=key)
+        if hidden is not None:
+            k, v = _drop_hidden(k, v, hidden)
         q = queries(_key_basis(plan, seg))
         if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
@@ -243,23 +247,26 @@ def _drop_hidden(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(gone, zero, k), torch.where(gone, zero.to(v.dtype), v)
 
 
-def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """One block in the CPU fused kernel: output (float32 or float64) and log-sum-exp ``[..., Q, 1]``
-    (``-inf`` for a row that sees nothing in the block)."""
+    (``-inf`` for a row that sees nothing in the block); ``hidden`` None: every row seen, no mask."""
     lead, n, d = q.shape[:-2], q.shape[-2], q.shape[-1]
     s = k.shape[-2]
     # the kernel reads rows with unit stride only (a strided feature dim gave a wrong output, silently)
     q4 = _unit_stride(q.reshape(1, -1, n, d))
     k4 = _unit_stride(k.to(q.dtype).expand(*lead, s, d).reshape(1, -1, s, d))
     v4 = _unit_stride(v.to(q.dtype).expand(*lead, s, v.shape[-1]).reshape(1, -1, s, v.shape[-1]))
-    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-    rows = hidden.shape[-2]  # 1: the kernel broadcasts one mask row over the queries
-    mask = bias.expand(*lead, rows, s).reshape(1, -1, rows, s)
+    mask = None
+    if hidden is not None:
+        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        rows = hidden.shape[-2]  # 1: the kernel broadcasts one mask row over the queries
+        mask = bias.expand(*lead, rows, s).reshape(1, -1, rows, s)
     o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     l = l.to(wide).reshape(*lead, n, 1)
-    seen = (~hidden).any(-1, keepdim=True).expand(*lead, n, 1)  # the kernel reports lse 0 for a row it hid whole
-    l = torch.where(seen, l, torch.full_like(l, float("-inf")))
+    if hidden is not None:
+        seen = (~hidden).any(-1, keepdim=True).expand(*lead, n, 1)  # the kernel reports lse 0 for a row it hid whole
+        l = torch.where(seen, l, torch.full_like(l, float("-inf")))
     return o.to(wide).reshape(*lead, n, -1), l
 
 
@@ -267,10 +274,12 @@ def _unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _plain_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float, acc: torch.dtype
+def _plain_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: float, acc: torch.dtype
                  ) -> tuple[Tensor, Tensor]:
     """One block by matmuls (any device, values of any feature size): normalised output and lse."""
-    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)).mul_(scale).masked_fill_(hidden, float("-inf"))
+    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)).mul_(scale)
+    if hidden is not None:
+        s.masked_fill_(hidden, float("-inf"))
     mx = s.amax(-1, keepdim=True)
     safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = s.sub_(safe).exp_()
@@ -305,18 +314,26 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         if slots is None:
             continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
-        hidden = _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
-        s = (queries(_key_basis(plan, seg)).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale).masked_fill_(
-            hidden, float("-inf"))
-        # [..., G*r, s]; a probability is at most 1: exp(s - lse) above it is the rounding of a float32 or
-        # narrower lse (1 + 2**-16 seen), clamped so that a statistic keeps the range its state dict is checked
-        # against (the true p is <= 1, so the clamp never takes a value below the truth)
-        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().to(torch.float64).clamp_(max=1.0)
+        s = (queries(_key_basis(plan, seg)).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale)
+        if not (seg.visible and not plan.causal):
+            s.masked_fill_(_mask(plan, seg.positions[:, a:b], groups, rows, key=key), float("-inf"))
+        # [..., G*r, s], in acc; a probability is at most 1: exp(s - lse) above it is the rounding of a
+        # float32 or narrower lse (1 + 2**-16 seen), clamped so that a statistic keeps the range its state dict
+        # is checked against (the true p is <= 1, so the clamp never takes a value below the truth)
+        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().clamp_(max=1.0)
         ph = p.movedim(ha, 0).reshape(H, -1, p.shape[-1]) if ha is not None else p.reshape(1, -1, p.shape[-1])
+        # the max of the rounded values, widened after: the same as widening first
+        bmax = None if kmax is None else ph.amax(1).to(torch.float64)
+        bsum = None
+        if ksum is not None:  # each value widened and summed in float64, a slice of rows at a time (no copy of p)
+            step = max(1, _STAT_ELEMENTS // max(1, H * ph.shape[-1]))
+            for r0 in range(0, ph.shape[1], step):
+                t = ph[:, r0:r0 + step].to(torch.float64).sum(1)
+                bsum = t if bsum is None else bsum.add_(t)
         dest = slots[:, a:b]
         dest = torch.where(dest >= 0, dest, S).expand(H, -1)
         if kmax is not None:
-            kmax.scatter_reduce_(-1, dest, ph.amax(1), reduce="amax")
+            kmax.scatter_reduce_(-1, dest, bmax, reduce="amax")
         if ksum is not None:
-            ksum.scatter_add_(-1, dest, ph.sum(1))
+            ksum.scatter_add_(-1, dest, bsum)
     return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])

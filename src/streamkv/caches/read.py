@@ -27,7 +27,7 @@ cache-relative RoPE) exists only where every head holds the same positions; else
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -155,6 +155,9 @@ class KVRead:
             qt = rotation.queries(qt)
             block = self.rope_at_read.block
         segments = self.segments() if segments is None else segments
+        if self.occupancy == "all":  # every slot holds a position: a segment of the slots' positions hides no row
+            segments = [replace(s, visible=True) if s.positions is self.positions and not s.visible else s
+                        for s in segments]
         return qt, BlockPlan(segments, self.dims, scale, self.query_positions, causal, window, rotation, statistic,
                              self.dims.slots, block, lse, self._kept())
 

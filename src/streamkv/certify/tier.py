@@ -74,7 +74,6 @@ from .certifier import check_reopen, claim_unevicted, release
 
 __all__ = ["CompressedTier"]
 
-_FAR = 1 << 40  # above any position: sorts evicted tokens by (head, position) in one key
 _BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
 
 
@@ -277,31 +276,50 @@ class CompressedTier(CacheObserver):
         self.vmin[layer] = torch.minimum(self.vmin[layer], vd.amin(dim=(0, 1, 3)))
         self.vmax[layer] = torch.maximum(self.vmax[layer], vd.amax(dim=(0, 1, 3)))
 
-    def _capture(self, event) -> list[tuple[int, Tensor, Tensor, Tensor, Tensor]]:
+    def _capture(self, event) -> list[tuple]:
         """Per layer: the evicted tokens' heads ``[n]``, positions ``[n]`` and K/V ``[n, B, D]``,
         sorted by (head, position), gathered while the cache still holds them (nothing of this
-        tier changes)."""
-        st, cap, H = self.storage, self.storage.capacity, self.H
-        out = []
-        for layer in range(self.L):
-            if event.shared_slots is not None:  # every head loses the same slots: no device read
-                ss = torch.tensor(event.shared_slots, dtype=torch.long, device=event.evicted.device)
-                hh = torch.arange(H, device=ss.device).repeat_interleave(ss.numel())
-                ss = ss.repeat(H)
-            else:
-                hh, ss = event.evicted[layer, :, :cap].nonzero(as_tuple=True)
-            if hh.numel() == 0:
-                continue
-            pos = event.positions[layer].expand(H, -1)[hh, ss]
-            order = torch.argsort(hh * _FAR + pos)
-            hh, ss, pos = hh[order], ss[order], pos[order]
-            out.append((layer, hh, pos, st.head_view("k", layer)[hh, :, ss], st.head_view("v", layer)[hh, :, ss]))
+        tier changes), on the device and their host copies. Device reads for every layer at once:
+        the evicted (layer, head, slot) triples (one ``nonzero``; none where the slots are host
+        ints), their heads and positions (one copy), their K/V (one copy)."""
+        st, cap, H, L = self.storage, self.storage.capacity, self.H, self.L
+        dev = event.evicted.device
+        if event.shared_slots is not None:  # every layer and head loses the same slots: no device read of them
+            n = len(event.shared_slots)
+            ss = torch.tensor(event.shared_slots, dtype=torch.long, device=dev).repeat(L * H)
+            hh = torch.arange(H, device=dev).repeat_interleave(n).repeat(L)
+            ll = torch.arange(L, device=dev).repeat_interleave(H * n)
+        else:
+            ll, hh, ss = event.evicted[:, :, :cap].nonzero(as_tuple=True)
+        if ll.numel() == 0:
+            return []
+        pos = event.positions.expand(L, H, -1)[ll, hh, ss]
+        order = torch.argsort(pos, stable=True)  # then by (layer, head), stably: positions ascending within
+        order = order[torch.argsort((ll * H + hh)[order], stable=True)]
+        ll, hh, ss, pos = ll[order], hh[order], ss[order], pos[order]
+        ll_c, hh_c, pos_c = torch.stack([ll, hh, pos]).cpu()
+        counts = torch.bincount(ll_c, minlength=L).tolist()
+        parts, a = [], 0
+        for layer, c in enumerate(counts):
+            if c:
+                sl = slice(a, a + c)
+                parts.append((layer, sl, st.head_view("k", layer)[hh[sl], :, ss[sl]],
+                              st.head_view("v", layer)[hh[sl], :, ss[sl]]))
+            a += c
+        ks = torch.cat([k.flatten(1) for _, _, k, _ in parts])
+        kv_c = torch.cat([ks, torch.cat([v.flatten(1) for _, _, _, v in parts])], 1).cpu()
+        out, a = [], 0
+        for layer, sl, k, v in parts:
+            n = k.shape[0]
+            kc, vc = kv_c[a:a + n].split([k[0].numel(), v[0].numel()], 1)
+            a += n
+            out.append((layer, hh[sl], pos[sl], k, v, (hh_c[sl], pos_c[sl], kc.view(k.shape), vc.view(v.shape))))
         return out
 
     def _record(self, captured: list) -> None:
         try:
-            for layer, hh, pos, k, v in captured:
-                self._append(layer, hh, pos, k, v)
+            for layer, hh, pos, k, v, host in captured:
+                self._append(layer, hh, pos, k, v, host)
         except BaseException as exc:
             self.broken = f"recording an applied eviction failed: {type(exc).__name__}: {exc}"
             raise
@@ -343,12 +361,14 @@ class CompressedTier(CacheObserver):
         ent = slot + self.M * torch.div(c - 1 - slot, self.M, rounding_mode="floor")
         return torch.where(slot < c, ent, -1)
 
-    def _append(self, layer: int, hh: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+    def _append(self, layer: int, hh: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+                host: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
         """Append the evicted tokens of ``layer`` (sorted by head, then position) to every head at once:
-        host copy, tier-3 boxes of the blocks pushed out of the ring, tier-2 codes, masks."""
+        host copy, tier-3 boxes of the blocks pushed out of the ring, tier-2 codes, masks. ``host``:
+        ``hh``, ``pos``, ``k``, ``v`` copied to the host (by :meth:`_capture`)."""
         H, M, blk, dev = self.H, self.M, self.block, self.k_codes.device
         n = hh.numel()
-        hh_c = hh.cpu()
+        hh_c, pos_c, k_c, v_c = host
         cn = torch.bincount(hh_c, minlength=H)
         c_old = self._count[layer].clone()
         c_new = c_old + cn
@@ -359,9 +379,9 @@ class CompressedTier(CacheObserver):
         start = torch.cumsum(cn, 0) - cn
         e_c = c_old[hh_c] + torch.arange(n) - start[hh_c]  # the entry id of every row (host)
         self._grow_host(layer, int(c_new.max()))
-        self._hk[layer][hh_c, e_c] = k.to("cpu", self._hk[layer].dtype)
-        self._hv[layer][hh_c, e_c] = v.to("cpu", self._hv[layer].dtype)
-        self._hp[layer][hh_c, e_c] = pos.to("cpu")
+        self._hk[layer][hh_c, e_c] = k_c.to(self._hk[layer].dtype)
+        self._hv[layer][hh_c, e_c] = v_c.to(self._hv[layer].dtype)
+        self._hp[layer][hh_c, e_c] = pos_c
         f_old = self._front[layer].clone()
         f_new = torch.maximum(f_old, torch.where(c_new > M, -torch.div(M - c_new, blk, rounding_mode="floor"), 0))
         e = e_c.to(dev)

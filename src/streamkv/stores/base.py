@@ -98,6 +98,10 @@ class Segment:
     #: not a compressed tier's, whose entries change at every recall): a read may keep what it
     #: derives from them across its passes
     stable: bool = True
+    #: a host promise that every row holds a position in every head (none is -1): the read that
+    #: builds its plan knows it from host counters (a full window cache's slots, an occupied
+    #: prefix), and the block loop then builds no mask where no causal mask is asked
+    visible: bool = False
 
     @property
     def dense(self) -> bool:
@@ -129,6 +133,24 @@ class Segment:
         idx = torch.arange(a, b, device=t.device)
         phys = self.pages.index_select(0, idx // P) * P + idx % P
         return t.index_select(-2, phys)
+
+    def cuts(self, block: int) -> list[tuple[int, int]]:
+        """Row ranges ``[a, b)`` of at most ``block`` rows covering ``[0, n)`` in order. Eager over a
+        page table (host pages known), a range never crosses the end of a run of physically
+        consecutive pages: :meth:`load` reads each as a view of the buffers, no copy."""
+        if self.pages is None or self.host_pages is None:
+            return [(a, min(a + block, self.n)) for a in range(0, self.n, block)]
+        P, hp, out = self.page, self.host_pages, []
+        start = 0
+        while start < self.n:
+            p = start // P
+            q = p + 1
+            while q * P < self.n and hp[q] == hp[q - 1] + 1:
+                q += 1
+            end = min(q * P, self.n)
+            out += [(a, min(a + block, end)) for a in range(start, end, block)]
+            start = end
+        return out
 
     def load(self, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Attendable K/V of rows ``[a, b)`` in the attention layout: dense rows as stored (a
