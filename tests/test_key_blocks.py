@@ -247,9 +247,9 @@ def test_an_evicted_nan_value_does_not_poison_later_reads():
 
 
 def test_page_runs_cut_the_blocks_and_each_block_is_a_view():
-    """Over a page table (host pages known) a block never crosses the end of a run of consecutive
-    physical pages, so every block is read as a view of the buffers (no copy), and the read equals
-    the one over the rows in logical order."""
+    """Over a page table (host pages known) a segment longer than a block is cut where a run of
+    consecutive physical pages ends, so every block is read as a view of the buffers (no copy), and
+    the read equals the one over the rows in logical order."""
     from dataclasses import replace
 
     import streamkv.stores.base as base
@@ -261,8 +261,9 @@ def test_page_runs_cut_the_blocks_and_each_block_is_a_view():
     pos = torch.arange(S).expand(H, -1)
     seg = Segment(n=S, positions=pos, keys=k, values=v, features=(D, D), dtype=torch.float64,
                   pages=torch.tensor(pages), page=P, host_pages=pages)
-    assert seg.cuts(16) == [(0, 4), (4, 10), (10, 12)]
+    assert seg.cuts(11) == [(0, 4), (4, 10), (10, 12)]
     assert seg.cuts(4) == [(0, 4), (4, 8), (8, 10), (10, 12)]
+    assert seg.cuts(12) == [(0, 12)]  # one block: one call, the rounding of a contiguous read (a copy)
     assert replace(seg, host_pages=None).cuts(5) == [(0, 5), (5, 10), (10, 12)]  # traced: the table on the device
     copies = []
     cat = torch.cat
@@ -270,7 +271,7 @@ def test_page_runs_cut_the_blocks_and_each_block_is_a_view():
         base.torch.cat = lambda *a, **kw: copies.append(1) or cat(*a, **kw)
         q = torch.randn(B, H, 3, D, generator=g, dtype=torch.float64)
         dims = Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=3)
-        got = read_blocks(q, BlockPlan([seg], dims, 0.5, None, False, None, None, None, S, block=16)).out
+        got = read_blocks(q, BlockPlan([seg], dims, 0.5, None, False, None, None, None, S, block=11)).out
     finally:
         base.torch.cat = cat
     assert not copies

@@ -135,10 +135,12 @@ class Segment:
         return t.index_select(-2, phys)
 
     def cuts(self, block: int) -> list[tuple[int, int]]:
-        """Row ranges ``[a, b)`` of at most ``block`` rows covering ``[0, n)`` in order. Eager over a
-        page table (host pages known), a range never crosses the end of a run of physically
-        consecutive pages: :meth:`load` reads each as a view of the buffers, no copy."""
-        if self.pages is None or self.host_pages is None:
+        """Row ranges ``[a, b)`` of at most ``block`` rows covering ``[0, n)`` in order. A segment of at
+        most ``block`` rows is one range (one kernel call: the rounding of a contiguous read of the
+        same rows; through a page table a copy where it crosses runs, small beside a call). A longer
+        one, eager over a page table (host pages known), never crosses the end of a run of physically
+        consecutive pages: :meth:`load` reads each range as a view of the buffers, no copy."""
+        if self.pages is None or self.host_pages is None or self.n <= block:
             return [(a, min(a + block, self.n)) for a in range(0, self.n, block)]
         P, hp, out = self.page, self.host_pages, []
         start = 0
