@@ -49,10 +49,10 @@ OTHER_COMMANDS = (
     ("streamkv fuzz --layouts 3200 --json out/fuzz.json",
      "the differential fuzzer: random layouts and call sequences, rejected calls change nothing, every read "
      "and certificate checked"),
-    ("streamkv fork --memory --no-video --out out/fork",
-     "branches at the Self-Forcing shape: bytes per branch against full copies, fork time, a branch's read"),
-    ("streamkv bench --read --json out/bench-read.json",
-     "one read per storage format, position map, compressed tier and paged branch against the dense read"),
+    ("streamkv chart --json out/chart.json --plot out/chart.png",
+     "time per chunk (attention and all cache work) against error, for the full cache, the ring, each scored "
+     "kind and the compressed tier at 1/2 and 1/4 of the tokens or bytes, bf16 / int8 / int4, on the video "
+     "model's and SmolLM2's own attention (long: `--shape`, `--modes eager` and `--repeats` for a smaller run)"),
 )
 
 #: page -> (title, one-line summary, modules documented on it, in order)

@@ -221,6 +221,60 @@ def render_positions(d):
     return "\n".join(rows), glance, number
 
 
+def render_read(d):
+    r = d["read"]
+    out = []
+    for name, sh in r["shapes"].items():
+        dense = sh["variants"]["dense"]
+        out += [f"**{name}** ({dense['tokens']:,} tokens, {sh['queries']} query row, eager; other processes used "
+                f"{sh['timing']['foreign_cpu_share']:.0%} of the CPUs while it was timed)", "",
+                "| read | ms (median) | / the dense bf16 read | bytes held | transient peak |", "|---|---|---|---|---|"]
+        for v, row in sh["variants"].items():
+            e = row["eager"]
+            if e is None:
+                continue
+            out.append(f"| {v} | {g(e['ms'])} | {e['ratio_vs_dense']:.2f}x | {mib(row['bytes'])} | "
+                       f"{mib(e['transient_peak_bytes'])} |")
+        out.append("")
+    out += ["Targets the run checked (each ratio as measured; a contended sample is marked):", ""]
+    for t in r["targets"]:
+        out.append(f"- {t['shape']} {t['variant']}: {t['value']:.2f}x ({t['target']}): "
+                   f"{'met' if t['met'] else '**not met**'}{' (contended)' if t['contended'] else ''}.")
+    met = sum(t["met"] for t in r["targets"])
+    paged = [t for t in r["targets"] if t["variant"] == "paged"]
+    glance = "one read of every storage format, position map, the compressed tier and a forked branch (CPU)"
+    number = (f"{met} of {len(r['targets'])} read-cost targets met; a forked branch's paged read "
+              + ", ".join(f"{t['value']:.2f}x" for t in paged) + " the ring's")
+    return "\n".join(out), glance, number
+
+
+def render_fork(d):
+    m = d["memory"]
+    mem, fk, rd, wr = m["memory"], m["fork"], m["read"], m["write"]
+    pre = m["preset"]
+    rows = ["| measure | value | target | met |", "|---|---|---|---|",
+            f"| pool after {m['branches']} branches write one chunk each / one cache | {mem['ratio_vs_one_cache']:.3f}x "
+            f"(the floor: {mem['floor_ratio']:.3f}x; {m['branches']} full copies: {mem['full_copies_ratio']:.0f}x) | "
+            f"<= {mem['target_ratio']}x | {'yes' if mem['target_met'] else '**no**'} |",
+            f"| fork({m['branches']}) time / one chunk's attention | {fk['fork_over_attention']:.4%} "
+            f"({g(fk['median_s'] * 1e3)} ms; {fk['bytes_copied_by_fork']} K/V bytes copied) | <= {fk['target_share']:.0%} | "
+            f"{'yes' if fk['target_met'] else '**no**'} |",
+            f"| a forked branch's read / the ring's ({rd['query_rows']} query rows) | {rd['paged_forked_over_ring']:.2f}x "
+            f"(unforked paged {rd['paged_identity_over_ring']:.2f}x) | <= {rd['target_ratio']}x | "
+            f"{'yes' if rd['target_met'] else '**no**'} |",
+            f"| a forked branch's chunk write / the ring's | {wr['paged_forked_over_ring']:.2f}x | | |"]
+    rows += ["", f"The memory floor is one cache plus one private chunk per branch: {m['branches']} branches that each "
+             f"write a chunk after the fork cannot hold less than {mem['floor_ratio']:.3f}x at this shape "
+             f"({pre['window_frames']} frames, chunks of {pre['chunk_frames']}); the target is below that floor. "
+             f"The forked branch's output differs from the ring's by {rd['max_abs_diff_vs_ring']:.2g} "
+             f"(bfloat16, another summation order)."]
+    glance = f"fork a stream into {m['branches']} branches at the {pre['name']} shape (copy-on-write pages)"
+    number = (f"fork {g(fk['median_s'] * 1e3)} ms, 0 bytes copied; memory {mem['ratio_vs_one_cache']:.2f}x one cache "
+              f"(floor {mem['floor_ratio']:.2f}x, full copies {mem['full_copies_ratio']:.0f}x); a branch's read "
+              f"{rd['paged_forked_over_ring']:.2f}x the ring's")
+    return "\n".join(rows), glance, number
+
+
 RESULTS = (
     Result("bench", "Cache maintenance", "streamkv bench --preset self-forcing --no-scaling --no-end-to-end --no-counts "
            "--json docs/results/bench.json", (),
@@ -270,6 +324,21 @@ RESULTS = (
            "`bf16` is streamkv's bf16 storage of the model's K/V; 4 bits and fewer use the Hadamard basis; "
            "transformers' `QuantizedCache` (quanto, HQQ) beside it. The JSON and plot are that run's, copied here.",
            render_quant),
+    Result("fork", "Forks: copy-on-write pages", "streamkv fork --memory --no-video --out out/fork", (),
+           "One attention layer at the Self-Forcing shape (bfloat16, one page per chunk) on the CPU: a cache forked "
+           "into branches that share every committed page, each then writing one chunk of its own; the pool's pages, "
+           "the fork's time against one chunk's attention, and a branch's read and write against the contiguous "
+           "ring's, interleaved. Exactness of every branch against a cache that never forked is the suite's "
+           "(`streamkv fuzz --forks`, the fork tests), not this page's. The run's `out/fork/fork.json` is copied "
+           "here.", render_fork),
+    Result("read", "The cost of one read", "streamkv bench --read --modes eager --json docs/results/read.json --plot "
+           "docs/results/read.png", ("read.png",),
+           "One layer at one head's shape of each model (Self-Forcing, LingBot-World, SmolLM2 decoding), one query "
+           "row, eager, on a shared 2-core CPU: every storage format, every position map (RoPE at read), the "
+           "compressed tier and a forked branch's paged read against the dense bf16 read of the same slots. On a "
+           "CPU the dense read is one fused kernel and every other read goes through the block loop; the Triton "
+           "read on CUDA is timed by `scripts/gpu_check.py`, which has not run on a GPU for these pages.",
+           render_read),
 )
 
 
