@@ -275,6 +275,39 @@ def render_fork(d):
     return "\n".join(rows), glance, number
 
 
+def render_chart(d):
+    out = []
+    for name, sh in d["shapes"].items():
+        stream = next(r["error_stream"] for r in d["rows"] if r["shape"] == name)
+        out += [f"**{name}**: {sh['shape']['description']}; errors on {d['errors'][stream]['description']}.", "",
+                "| cache / format / budget | tokens | bytes / full | ms per chunk | / full | cache work / ring's | "
+                "host syncs | relative error mean (p99) |", "|---|---|---|---|---|---|---|---|"]
+        for r in d["rows"]:
+            if r["shape"] != name or r["not_run"]:
+                continue
+            work = "" if r["cache_work_ratio_to_ring"] is None else f"{r['cache_work_ratio_to_ring']:.2f}x"
+            out.append(f"| {r['key']} | {r['tokens']:,} | {r['bytes_ratio_to_full']:.2f} | {g(r['ms_per_chunk'])} | "
+                       f"{r['ratio_to_full']:.2f}x | {work} | {r['host_syncs_per_chunk']} | {g(r['rel_error_mean'])} "
+                       f"({g(r['rel_error_p99'])}) |")
+        out.append("")
+    out += ["Targets the run checked:", ""]
+    for t in d["targets"]:
+        if t["why_not_measured"]:
+            continue
+        out.append(f"- {t['shape']} {t['row']}: {t['value']:.2f}x ({t['text']}): {'met' if t['met'] else '**not met**'}.")
+    out += ["", f"Other processes' share of the CPUs and the load averages are in the JSON (`machine`, per shape); the "
+            f"whole run took {d['machine']['wall_s'] / 60:.0f} minutes."]
+    by = {(r["shape"], r["key"]): r for r in d["rows"]}
+    shape = next(iter(d["shapes"]))
+    parts = [f"{k.split('/')[0] if k.count('/') == 2 and '/bf16/' in k else k.split('/')[0] + ' ' + k.split('/')[1]} "
+             f"{by[(shape, k)]['ratio_to_full']:.2f}x" for k in
+             ("ring/bf16/tokens:1/4", "tova/bf16/tokens:1/4", "tova/int8/tokens:1/4", "tier/int8/bytes:1/4")
+             if (shape, k) in by]
+    glance = f"time per chunk (attention + cache work) at a quarter of the memory, against the full cache ({shape})"
+    number = "; ".join(parts) + " the full cache's time (CPU, eager; the tier without its certificates)"
+    return "\n".join(out), glance, number
+
+
 RESULTS = (
     Result("bench", "Cache maintenance", "streamkv bench --preset self-forcing --no-scaling --no-end-to-end --no-counts "
            "--json docs/results/bench.json", (),
@@ -329,7 +362,7 @@ RESULTS = (
            "into branches that share every committed page, each then writing one chunk of its own; the pool's pages, "
            "the fork's time against one chunk's attention, and a branch's read and write against the contiguous "
            "ring's, interleaved. Exactness of every branch against a cache that never forked is the suite's "
-           "(`streamkv fuzz --forks`, the fork tests), not this page's. The run's `out/fork/fork.json` is copied "
+           "(`streamkv fuzz --forks 20`, the fork tests), not this page's. The run's `out/fork/fork.json` is copied "
            "here.", render_fork),
     Result("read", "The cost of one read", "streamkv bench --read --modes eager --json docs/results/read.json --plot "
            "docs/results/read.png", ("read.png",),
@@ -339,6 +372,15 @@ RESULTS = (
            "CPU the dense read is one fused kernel and every other read goes through the block loop; the Triton "
            "read on CUDA is timed by `scripts/gpu_check.py`, which has not run on a GPU for these pages.",
            render_read),
+    Result("chart", "Time per chunk against error", "streamkv chart --shape lingbot-world --shape smollm2-prefill "
+           "--modes eager --repeats 3 --formats bf16,int8 --budgets tokens:1/4,bytes:1/4 --json docs/results/chart.json "
+           "--plot docs/results/chart.png", ("chart.png",),
+           "One layer of each model (one of LingBot-World's 40 heads; SmolLM2's 3 key heads), on a 2-core CPU, eager: "
+           "per steady chunk, attention plus all cache work (begin, writes, scores, commit), for the full cache, the "
+           "ring, each scored kind and the compressed tier, at a quarter of the full cache's tokens or bytes, bf16 and "
+           "int8; each row's error from the same caches streaming the trained toy video model's own Q/K/V (video "
+           "shapes) or SmolLM2's (LM shapes). A subset of the command's default grid (the default adds the "
+           "Self-Forcing and SmolLM2 decode shapes, 1/2 budgets, int4 and compiled rows).", render_chart),
 )
 
 
