@@ -23,9 +23,10 @@ widened; sums widened a slice of query rows at a time and accumulated in float64
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
 of the keys' size; exact for float32/float64); the statistics pass scores the same rounded keys.
-A row hidden from every query of a block (an empty or evicted slot, a masked position) is replaced
-by zeros before it is attended (``where``, not a weight of 0: 0 times NaN is NaN), so a stale
-non-finite key or value in a slot no longer held weighs nothing. A non-finite row that some query
+In a segment that may hold empty or evicted slots, a row hidden from every query of a block is
+replaced by zeros before it is attended (``where``, not a weight of 0: 0 times NaN is NaN), so a
+stale non-finite key or value in a slot no longer held weighs nothing; a segment whose every row
+is held (``visible``, a host fact) skips that copy. A non-finite row that some query
 of the block sees (a held token; or, with ``causal``, a later position of the open span) is
 attended as stored: quantised storage refuses such rows at the commit (``check_finite``), and a
 dense store holds what it was given.
@@ -119,15 +120,17 @@ def _blocks(plan: BlockPlan):
             yield seg, a, b, ((i, a, b) if seg.stable else None)
 
 
-def _keys(plan: BlockPlan, seg: Segment, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """A block's attendable K/V; rotated at read where the plan says (keys stored in a basis are
-    taken back to theirs first: a rotation by position does not commute with the basis)."""
+def _keys(plan: BlockPlan, seg: Segment, a: int, b: int, dtype: torch.dtype | None = None,
+          drop: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A block's attendable K/V (``drop``: rows given as zeros); rotated at read where the plan
+    says (keys stored in a basis are taken back to theirs first: a rotation by position does not
+    commute with the basis; a zero row stays zero)."""
     if plan.rotation is None:
-        return seg.load(a, b, dtype)
+        return seg.load(a, b, dtype, drop)
     if seg.k_basis is None:
-        k, v = seg.load(a, b, dtype)
+        k, v = seg.load(a, b, dtype, drop)
         return plan.rotation.keys_at(k, seg.positions[:, a:b]), v
-    k, v = seg.load(a, b)  # decoded once at float32 or wider, then back out of the basis and rotated
+    k, v = seg.load(a, b, None, drop)  # decoded once at float32 or wider, then back out of the basis and rotated
     k = plan.rotation.keys_at(k @ seg.k_basis.to(k.dtype), seg.positions[:, a:b])
     return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
@@ -204,10 +207,10 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
     for seg, a, b, key in _blocks(plan):
         fuse = _fuse(seg, fused)
-        k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None)
         hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, key=key)
-        if hidden is not None:
-            k, v = _drop_hidden(k, v, hidden)
+        # rows every query of the block hides, given as zeros (a held row hidden by causality is attended as stored)
+        drop = None if hidden is None or seg.visible else hidden.all(-2, keepdim=True).transpose(-1, -2)
+        k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None, drop)
         q = queries(_key_basis(plan, seg))
         if fuse:
             o, l = _fused_block(q, k, v, hidden, plan.scale)
@@ -236,15 +239,6 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     else:
         own = None if m_own is None else _lse(m_own, s_own)
     return out, lse, own
-
-
-def _drop_hidden(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """``k``/``v`` with the rows every query of the block hides (empty or evicted slots, masked
-    positions) replaced by zeros with ``where``: a stale non-finite row there weighs nothing (a
-    weight of 0 times NaN is NaN, so hiding it by its weight alone would poison the read)."""
-    gone = hidden.all(-2, keepdim=True).transpose(-1, -2)  # [..., s, 1]
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    return torch.where(gone, zero, k), torch.where(gone, zero.to(v.dtype), v)
 
 
 def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:

@@ -154,11 +154,14 @@ class Segment:
             start = end
         return out
 
-    def load(self, a: int, b: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    def load(self, a: int, b: int, dtype: torch.dtype | None = None, drop: Tensor | None = None
+             ) -> tuple[Tensor, Tensor]:
         """Attendable K/V of rows ``[a, b)`` in the attention layout: dense rows as stored (a
         view where it can be), codes decoded into ``dtype`` (default :attr:`dtype`: float32, or
         the cache dtype if wider; the float32 values rounded once), in the segment's basis (the
-        reader applies ``k_basis`` to the queries and ``v_basis`` to the output)."""
+        reader applies ``k_basis`` to the queries and ``v_basis`` to the output). ``drop`` (bool
+        ``[..., b - a, 1]``): rows returned as zeros (``where``: a stale non-finite row weighs
+        nothing), fused into the decode of codes."""
         k = self._rows(self.keys, a, b)
         v = self._rows(self.values, a, b)
         D, Dv = self.features
@@ -166,10 +169,14 @@ class Segment:
         dtype = self.dtype if dtype is None else dtype
         if self.k_codec is not None:
             ks = self._rows(self.k_scale, a, b) if self.k_scale is not None else None
-            k = self.k_codec.decode_as(k, ks, D, gk, dtype)
+            k = self.k_codec.decode_as(k, ks, D, gk, dtype, drop)
+        elif drop is not None:
+            k = torch.where(drop, torch.zeros((), dtype=k.dtype, device=k.device), k)
         if self.v_codec is not None:
             vs = self._rows(self.v_scale, a, b) if self.v_scale is not None else None
-            v = self.v_codec.decode_as(v, vs, Dv, gv, dtype)
+            v = self.v_codec.decode_as(v, vs, Dv, gv, dtype, drop)
+        elif drop is not None:
+            v = torch.where(drop, torch.zeros((), dtype=v.dtype, device=v.device), v)
         return k, v
 
     def slot_index(self) -> Tensor | None:

@@ -123,19 +123,22 @@ class Codec:
         """Float32 ``[..., D]``: a bound on ``|x - x_hat|`` per element, from what is stored."""
         raise NotImplementedError
 
-    def decode_as(self, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype) -> Tensor:
-        """:meth:`decode` taken in ``dtype`` (the float32 values rounded once). On the CPU, blocks of
-        at least :data:`COMPILE_MIN` codes go through one compiled kernel (``torch.compile``: a
-        single pass reads the codes and scales and writes ``dtype``, where the eager ops make four
-        or more passes); the values are the same, the kernel only fuses the passes. Under a Python
-        dispatch mode (an op counter, a debug mode), where a compiled kernel cannot run, the eager ops do."""
+    def decode_as(self, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype,
+                  drop: Tensor | None = None) -> Tensor:
+        """:meth:`decode` taken in ``dtype`` (the float32 values rounded once); ``drop`` (bool,
+        broadcast against the values, e.g. ``[..., rows, 1]``): rows given as zeros instead (a
+        stale row no read may see; ``where``, so a non-finite scale weighs nothing). On the CPU,
+        blocks of at least :data:`COMPILE_MIN` codes go through one compiled kernel
+        (``torch.compile``: a single pass reads the codes and scales and writes ``dtype``, where
+        the eager ops make four or more passes); the values are the same, the kernel only fuses
+        the passes. Under a Python dispatch mode (an op counter, a debug mode), where a compiled
+        kernel cannot run, the eager ops do."""
         if (codes.device.type == "cpu" and codes.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
                 and _get_current_dispatch_mode() is None):
-            fn = _compiled(self, dim, group, dtype)
+            fn = _compiled(self, dim, group, dtype, drop is not None)
             if fn is not None:
-                return fn(codes, scale)
-        x = self.decode(codes, scale, dim, group)
-        return x if x.dtype == dtype else x.to(dtype)
+                return fn(codes, scale) if drop is None else fn(codes, scale, drop)
+        return _decoded(self, codes, scale, dim, group, dtype, drop)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -245,13 +248,25 @@ COMPILE_MIN = 1 << 18
 _COMPILED: dict[tuple, object] = {}
 
 
-def _compiled(codec: Codec, dim: int, group: int, dtype: torch.dtype):
-    """One compiled ``decode(...).to(dtype)`` per (codec, features, group, dtype), dynamic in the
-    rows (None where torch cannot compile here: the eager ops then run)."""
-    key = (codec.name, dim, group, dtype)
+def _decoded(codec: Codec, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype,
+             drop: Tensor | None) -> Tensor:
+    x = codec.decode(codes, scale, dim, group)
+    if drop is not None:
+        x = torch.where(drop, torch.zeros((), dtype=x.dtype, device=x.device), x)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _compiled(codec: Codec, dim: int, group: int, dtype: torch.dtype, dropping: bool):
+    """One compiled :func:`_decoded` per (codec, features, group, dtype, rows dropped or not),
+    dynamic in the rows (None where torch cannot compile here: the eager ops then run)."""
+    key = (codec.name, dim, group, dtype, dropping)
     if key not in _COMPILED:
-        def decode(codes: Tensor, scale: Tensor | None) -> Tensor:
-            return codec.decode(codes, scale, dim, group).to(dtype)
+        if dropping:
+            def decode(codes: Tensor, scale: Tensor | None, drop: Tensor) -> Tensor:
+                return _decoded(codec, codes, scale, dim, group, dtype, drop)
+        else:
+            def decode(codes: Tensor, scale: Tensor | None) -> Tensor:
+                return _decoded(codec, codes, scale, dim, group, dtype, None)
         try:
             _COMPILED[key] = torch.compile(decode, dynamic=True, fullgraph=True)
         except Exception:  # noqa: BLE001 - no compiler on this machine: decode eagerly
