@@ -11,16 +11,61 @@ from streamkv.stores import KV_FORMATS
 
 
 @pytest.mark.parametrize("name", list(KV_FORMATS))
-def test_compiled_decode_equals_the_eager_ops(name, monkeypatch):
+@pytest.mark.parametrize(("dtype", "dropping"), [(torch.bfloat16, False), (torch.bfloat16, True),
+                                                 (torch.float32, True)])
+def test_compiled_decode_equals_the_eager_ops(name, dtype, dropping, monkeypatch):
+    """Decoded into ``dtype``, with or without rows given as zeros (a stale NaN scale among them:
+    ``where``, so it weighs nothing): the compiled kernel equals the eager ops bit for bit; a
+    codec whose codes are the values in ``dtype`` hands out a view of them."""
     monkeypatch.setattr(codecs, "COMPILE_MIN", 0)  # compile at any size (the default starts at 2**18 codes)
     codec = KV_FORMATS[name]
     g = torch.Generator().manual_seed(len(name))
     x = torch.randn(2, 3, 37, 16, generator=g) * 3
     codes, scale = codec.encode(x, 8)
-    got = codec.decode_as(codes, scale, 16, 8, torch.bfloat16)
-    want = codec.decode(codes, scale, 16, 8).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    assert (name, 16, 8, torch.bfloat16) in {k[:4] for k in codecs._COMPILED if codecs._COMPILED[k] is not None}
+    drop = None
+    if dropping:
+        drop = torch.rand(2, 3, 37, 1, generator=g) < 0.3
+        if scale is not None:
+            scale[drop.expand_as(scale)] = float("nan")
+    got = codec.decode_as(codes, scale, 16, 8, dtype, drop)
+    want = codec.decode(codes, scale, 16, 8)
+    if drop is not None:
+        want = torch.where(drop, 0.0, want)
+    want = want.to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if codec.name == "bf16" and dtype == torch.bfloat16 and drop is None:
+        assert got.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()  # a view: no pass
+    elif codec.name != "bf16" or dtype != torch.bfloat16:
+        assert (name, 16, 8, dtype, dropping) in {k for k in codecs._COMPILED if codecs._COMPILED[k] is not None}
+
+
+def test_compiled_zero_rows_equals_the_eager_where(monkeypatch):
+    """Rows of a strided (attention-layout) block given as zeros, NaN rows among them: the compiled
+    kernel equals ``torch.where`` bit for bit."""
+    monkeypatch.setattr(codecs, "COMPILE_MIN", 0)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 41, 3, 16, generator=g).to(torch.bfloat16).transpose(1, 2)  # [1, H, S, D], strided
+    drop = torch.rand(1, 3, 41, 1, generator=g) < 0.4
+    x[drop.expand_as(x)] = float("nan")
+    got = codecs.zero_rows(x, drop)
+    assert not got.isnan().any() and torch.equal(got, torch.where(drop, 0.0, x.float()).to(x.dtype))
+    assert codecs._ZERO_ROWS and codecs._ZERO_ROWS[0] is not None
+
+
+def test_compiled_rope_tables_match_the_eager_ones_to_a_float32_ulp(monkeypatch):
+    """Rope1D's cos/sin tables from its compiled kernel: the same float64 limb arithmetic and the
+    same rounding to float32, up to the vector math library's cos/sin and a fused multiply-add in
+    the limbs; every entry is within one float32 ulp of 1 (2**-23) of the eager table, offsets
+    past one limb (2**18) included."""
+    monkeypatch.setattr(rotary, "COMPILE_MIN", 0)
+    rot = Rope1D(64)
+    g = torch.Generator().manual_seed(6)
+    delta = torch.cat([torch.randint(-5000, 5000, (1, 300), generator=g),
+                       torch.randint(-(1 << 40), 1 << 40, (1, 300), generator=g)], dim=1)
+    cos, sin = rot.cos_sin(delta, delta, torch.float32)
+    assert torch.float32 in rotary._COS_SIN and rotary._COS_SIN[torch.float32] is not None
+    ang = rotary.exact_angles(delta, rot.freqs, rot.residues).to(torch.float32)
+    assert (cos - ang.cos()).abs().max() <= 2.0**-23 and (sin - ang.sin()).abs().max() <= 2.0**-23
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])

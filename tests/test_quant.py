@@ -212,6 +212,43 @@ def test_state_dict_round_trip_continues_identically(kind, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor))
 
 
+def _non_finite_byte(codec):
+    """A byte whose codes decode to a non-finite number (scale 1), or None: the codec cannot mean one."""
+    for b in range(256):
+        codes = torch.full((1, codec.code_width(D)), b, dtype=torch.uint8)
+        scale = torch.ones(1, 1, dtype=torch.bfloat16) if codec.scaled else None
+        if not torch.isfinite(codec.decode(codes, scale, D, D)).all():
+            return b
+    return None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_state_whose_codes_mean_nan_is_refused_under_check_finite(fmt):
+    """Reads hide a row by its mask alone in codes stored under ``check_finite`` (every code held
+    decodes to a finite number), so a state dict whose codes decode to NaN or inf is refused, and
+    the cache stays as it was; without ``check_finite`` it is stored as given."""
+    b = _non_finite_byte(KV_FORMATS[fmt])
+    if b is None:
+        pytest.skip(f"{fmt} codes always mean finite numbers (a scale's finiteness is checked on its own)")
+    cache = _cache("ring", KVQuant(fmt))
+    g = torch.Generator().manual_seed(2)
+    for c in range(6):
+        cache.begin_chunk(c)
+        x = torch.randn(B, C, H, D, generator=g)
+        cache.write(x, x + 1)
+        cache.commit_chunk(c)
+    bad = cache.state_dict()
+    bad["quant_v_codes"].view(-1)[:4] = b
+    before = cache.state_dict()
+    with pytest.raises(ValueError, match="quant_v_codes must decode to finite numbers"):
+        cache.load_state_dict(bad)
+    after = cache.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor))
+    loose = _cache("ring", KVQuant(fmt, check_finite=False))
+    loose.load_state_dict({**bad, "quant": {**bad["quant"], "check_finite": False}})
+    assert torch.equal(loose.state_dict()["quant_v_codes"], bad["quant_v_codes"])
+
+
 def test_refusals_and_inputs():
     with pytest.raises(ValueError, match=r"key format \(KVQuant keys=\) must be one of"):
         _cache("ring", "int3")

@@ -26,7 +26,8 @@ of the keys' size; exact for float32/float64); the statistics pass scores the sa
 In a segment that may hold empty or evicted slots, a row hidden from every query of a block is
 replaced by zeros before it is attended (``where``, not a weight of 0: 0 times NaN is NaN), so a
 stale non-finite key or value in a slot no longer held weighs nothing; a segment whose every row
-is held (``visible``, a host fact) skips that copy. A non-finite row that some query
+is held (``visible``) or holds finite numbers only (``finite``: quantised codes under
+``check_finite``), host facts, skips that copy. A non-finite row that some query
 of the block sees (a held token; or, with ``causal``, a later position of the open span) is
 attended as stored: quantised storage refuses such rows at the commit (``check_finite``), and a
 dense store holds what it was given.
@@ -209,7 +210,7 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
         fuse = _fuse(seg, fused)
         hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, key=key)
         # rows every query of the block hides, given as zeros (a held row hidden by causality is attended as stored)
-        drop = None if hidden is None or seg.visible else hidden.all(-2, keepdim=True).transpose(-1, -2)
+        drop = None if hidden is None or seg.visible or seg.finite else hidden.all(-2, keepdim=True).transpose(-1, -2)
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None, drop)
         q = queries(_key_basis(plan, seg))
         if fuse:

@@ -99,6 +99,31 @@ def _compiled_rotate(style: str):
     return _ROTATE[style]
 
 
+_COS_SIN: dict[torch.dtype, object] = {}
+
+
+def _compiled_cos_sin(dtype: torch.dtype):
+    """``cos``/``sin`` in ``dtype`` of :func:`exact_angles` compiled once per dtype (one pass over
+    the offsets: the limbs, the float64 angles and both tables), or None where torch cannot
+    compile here."""
+    if dtype not in _COS_SIN:
+        def cos_sin(delta: Tensor, freqs: Tensor, residues: Tensor) -> tuple[Tensor, Tensor]:
+            ang = exact_angles(delta, freqs, residues).to(dtype)
+            return ang.cos(), ang.sin()
+        try:
+            _COS_SIN[dtype] = torch.compile(cos_sin, dynamic=True, fullgraph=True)
+        except Exception:  # noqa: BLE001 - no compiler on this machine: the eager ops run
+            _COS_SIN[dtype] = None
+    return _COS_SIN[dtype]
+
+
+def _compile_here(x: Tensor, elements: int) -> bool:
+    """A CPU computation of ``elements`` elements may take its compiled kernel (outside a trace and
+    a Python dispatch mode, where a compiled kernel cannot run)."""
+    return (x.device.type == "cpu" and elements >= COMPILE_MIN and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
+
+
 class Rotary:
     """What :class:`~streamkv.rope_at_read.RopeAtRead` needs of a rotary embedding.
 
@@ -152,8 +177,7 @@ class Rotary:
         CPU, blocks of at least :data:`COMPILE_MIN` elements go through one compiled kernel (a
         single pass where the eager ops make six or more); the arithmetic is the same. Under a Python
         dispatch mode (an op counter, a debug mode), where a compiled kernel cannot run, the eager ops do."""
-        if (x.device.type == "cpu" and x.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
-                and x.dtype != cos.dtype and _get_current_dispatch_mode() is None):
+        if x.dtype != cos.dtype and _compile_here(x, x.numel()):
             fn = _compiled_rotate(self.style)
             if fn is not None:
                 return fn(x, cos, sin)
@@ -212,6 +236,16 @@ class Rope1D(Rotary):
 
     def angles(self, delta: Tensor, positions: Tensor) -> Tensor:
         return exact_angles(delta, self.freqs, self.residues)
+
+    def cos_sin(self, delta: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """As :meth:`Rotary.cos_sin`; on the CPU, integer offsets of at least :data:`COMPILE_MIN`
+        table entries go through one compiled kernel (the same arithmetic in one pass, where the
+        eager ops make a dozen over float64 tables)."""
+        if not delta.dtype.is_floating_point and _compile_here(delta, delta.numel() * self.freqs.numel()):
+            fn = _compiled_cos_sin(dtype)
+            if fn is not None:
+                return fn(delta, self.freqs, self.residues)
+        return super().cos_sin(delta, positions, dtype)
 
     def _config(self) -> dict:
         return {"freqs": tuple(self.freqs.tolist())}

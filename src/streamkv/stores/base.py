@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .codecs import Codec
+from .codecs import Codec, zero_rows
 from .dims import Dims
 from .pages import PageTable
 
@@ -102,6 +102,10 @@ class Segment:
     #: builds its plan knows it from host counters (a full window cache's slots, an occupied
     #: prefix), and the block loop then builds no mask where no causal mask is asked
     visible: bool = False
+    #: a host promise that every row holds finite numbers, held or not (a store that refuses
+    #: non-finite rows before they become its rows: quantised codes under ``check_finite``): the
+    #: block loop then hides a row by the mask alone, without zeroing it first
+    finite: bool = False
 
     @property
     def dense(self) -> bool:
@@ -171,12 +175,12 @@ class Segment:
             ks = self._rows(self.k_scale, a, b) if self.k_scale is not None else None
             k = self.k_codec.decode_as(k, ks, D, gk, dtype, drop)
         elif drop is not None:
-            k = torch.where(drop, torch.zeros((), dtype=k.dtype, device=k.device), k)
+            k = zero_rows(k, drop)
         if self.v_codec is not None:
             vs = self._rows(self.v_scale, a, b) if self.v_scale is not None else None
             v = self.v_codec.decode_as(v, vs, Dv, gv, dtype, drop)
         elif drop is not None:
-            v = torch.where(drop, torch.zeros((), dtype=v.dtype, device=v.device), v)
+            v = zero_rows(v, drop)
         return k, v
 
     def slot_index(self) -> Tensor | None:

@@ -41,6 +41,7 @@ Why this long: the formats, their error bounds and byte counts are the storage's
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -236,6 +237,16 @@ class BF16Codec(Codec):
     def decode(self, codes: Tensor, scale: Tensor | None, dim: int, group: int) -> Tensor:
         return codes.contiguous().view(torch.bfloat16).float()
 
+    def decode_as(self, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype,
+                  drop: Tensor | None = None) -> Tensor:
+        """In bfloat16 the codes are the values: a view of them (no pass), ``drop`` applied by ``where``."""
+        if dtype != torch.bfloat16:
+            return super().decode_as(codes, scale, dim, group, dtype, drop)
+        aligned = codes.stride(-1) == 1 and codes.storage_offset() % 2 == 0 and all(
+            st % 2 == 0 for st in codes.stride()[:-1])
+        x = (codes if aligned else codes.contiguous()).view(torch.bfloat16)
+        return x if drop is None else zero_rows(x, drop)
+
     def error_bound(self, codes: Tensor, scale: Tensor | None, dim: int, group: int,
                     decoded: Tensor | None = None) -> Tensor:
         xh = self.decode(codes, None, dim, group) if decoded is None else decoded
@@ -248,11 +259,35 @@ COMPILE_MIN = 1 << 18
 _COMPILED: dict[tuple, object] = {}
 
 
+_ZERO_ROWS: list = []
+
+
+def zero_rows(x: Tensor, drop: Tensor) -> Tensor:
+    """``x`` with the rows ``drop`` marks (bool, broadcast against ``x``) given as zeros
+    (``where``: a non-finite row weighs nothing). On the CPU, blocks of at least
+    :data:`COMPILE_MIN` elements go through one compiled kernel (the eager ``where`` over a
+    broadcast row mask is several times slower); the values are the same."""
+    if (x.device.type == "cpu" and x.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None):
+        if not _ZERO_ROWS:
+            try:
+                _ZERO_ROWS.append(torch.compile(_zeroed, dynamic=True, fullgraph=True))
+            except Exception:  # noqa: BLE001 - no compiler on this machine: the eager op runs
+                _ZERO_ROWS.append(None)
+        if _ZERO_ROWS[0] is not None:
+            return _ZERO_ROWS[0](x, drop)
+    return _zeroed(x, drop)
+
+
+def _zeroed(x: Tensor, drop: Tensor) -> Tensor:
+    return torch.where(drop, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
 def _decoded(codec: Codec, codes: Tensor, scale: Tensor | None, dim: int, group: int, dtype: torch.dtype,
              drop: Tensor | None) -> Tensor:
     x = codec.decode(codes, scale, dim, group)
     if drop is not None:
-        x = torch.where(drop, torch.zeros((), dtype=x.dtype, device=x.device), x)
+        x = _zeroed(x, drop)
     return x if x.dtype == dtype else x.to(dtype)
 
 
@@ -267,6 +302,11 @@ def _compiled(codec: Codec, dim: int, group: int, dtype: torch.dtype, dropping: 
         else:
             def decode(codes: Tensor, scale: Tensor | None) -> Tensor:
                 return _decoded(codec, codes, scale, dim, group, dtype, None)
+        # a code object of its own per key: torch.compile keeps its graphs on the code object, and
+        # closures of one ``def`` would share one cache of at most ``cache_size_limit`` graphs
+        name = f"decode_{codec.name}_{dim}_{group}_{str(dtype).removeprefix('torch.')}{'_drop' if dropping else ''}"
+        decode = types.FunctionType(decode.__code__.replace(co_name=name, co_qualname=name), decode.__globals__,
+                                    name, decode.__defaults__, decode.__closure__)
         try:
             _COMPILED[key] = torch.compile(decode, dynamic=True, fullgraph=True)
         except Exception:  # noqa: BLE001 - no compiler on this machine: decode eagerly

@@ -302,7 +302,7 @@ class QuantStore(Store):
             out.append(Segment(
                 n=n, positions=code_pos, keys=kc, values=vc, features=d.features, dtype=self.acc,
                 k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv), k_scale=ks, v_scale=vs,
-                k_basis=self.rk, v_basis=self.rv, slots=c0, **pages))
+                k_basis=self.rk, v_basis=self.rv, slots=c0, finite=self.quant.check_finite, **pages))
         return out
 
     def span(self, which: str, where: WritePlan, n: int) -> Tensor:
@@ -478,6 +478,15 @@ class QuantStore(Store):
                 if not bool(ok.all()):  # (check_finite=False stores what it was given, inf and NaN included)
                     raise ValueError(f"state dict {name} must be {'finite and ' if self.quant.check_finite else ''}"
                                      f">= 0")
+        if self.quant.check_finite:  # a code may mean a non-finite number (a float format's NaN); reads rely on none
+            D, Dv = self.dims.features
+            for which, fmt, g, dim in (("k", self.kf, self.gk, D), ("v", self.vf, self.gv, Dv)):
+                codes, scale = state[f"quant_{which}_codes"], state.get(f"quant_{which}_scale")
+                for layer in range(codes.shape[0]):
+                    x = fmt.decode(codes[layer], None if scale is None else scale[layer], dim, g)
+                    if not bool(torch.isfinite(x).all()):
+                        raise ValueError(f"state dict quant_{which}_codes must decode to finite numbers (layer {layer} "
+                                         f"holds NaN or inf): this store was built with check_finite=True")
 
     def __repr__(self) -> str:
         return f"QuantStore({self.quant.label()}, hot_rows={self.rows}, bytes={self.nbytes})"

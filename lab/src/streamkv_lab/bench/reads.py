@@ -9,8 +9,9 @@ every query of the span, a video chunk's denoising pass), eager and compiled
 iterated, never listed):
 
 ``dense``              the bf16 ring, keys rotated at write: one SDPA call (the reference)
-``format:<f>``         every format of :data:`~streamkv.stores.KV_FORMATS` (``KVQuant(f,
-                       check_finite=False)``): codes decoded a block at a time
+``format:<f>``         every format of :data:`~streamkv.stores.KV_FORMATS` (``KVQuant(f)``, its
+                       defaults: non-finite rows refused at the commit, so the read hides a row
+                       by its mask alone): codes decoded a block at a time
 ``map:<m>``            every position map of :data:`~streamkv.positions.POSITION_MAPS` (RoPE at
                        read on the ring, parameters from the map's ``for_geometry``): raw keys
                        rotated a block at a time (Wan's frame band on the video shapes, 1D RoPE on
@@ -201,7 +202,7 @@ def build_variant(name: str, category: str, shape: Shape, seed: int) -> Variant:
     if name == "dense":
         cache = _ring(shape)
     elif name.startswith("format:"):
-        cache = _ring(shape, quant=KVQuant(name.split(":", 1)[1], check_finite=False))
+        cache = _ring(shape, quant=KVQuant(name.split(":", 1)[1]))
     elif name.startswith("map:"):
         rope = RopeAtRead(rotary_of(shape), map_of(name.split(":", 1)[1], shape, shape.capacity))
         cache = _ring(shape, rope_at_read=rope)
