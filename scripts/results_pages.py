@@ -226,7 +226,8 @@ def render_read(d):
     out = []
     for name, sh in r["shapes"].items():
         dense = sh["variants"]["dense"]
-        out += [f"**{name}** ({dense['tokens']:,} tokens, {sh['queries']} query row, eager; other processes used "
+        out += [f"**{name}** ({dense['tokens']:,} tokens, {sh['queries']:,} query row{'s' if sh['queries'] > 1 else ''}, eager, "
+                f"{sh['timing']['repeats']} rounds; other processes used "
                 f"{sh['timing']['foreign_cpu_share']:.0%} of the CPUs while it was timed)", "",
                 "| read | ms (median) | / the dense bf16 read | bytes held | transient peak |", "|---|---|---|---|---|"]
         for v, row in sh["variants"].items():
@@ -366,11 +367,14 @@ RESULTS = (
            "here.", render_fork),
     Result("read", "The cost of one read", "streamkv bench --read --modes eager --json docs/results/read.json --plot "
            "docs/results/read.png", ("read.png",),
-           "One layer at one head's shape of each model (Self-Forcing, LingBot-World, SmolLM2 decoding), one query "
-           "row, eager, on a shared 2-core CPU: every storage format, every position map (RoPE at read), the "
-           "compressed tier and a forked branch's paged read against the dense bf16 read of the same slots. On a "
-           "CPU the dense read is one fused kernel and every other read goes through the block loop; the Triton "
-           "read on CUDA is timed by `scripts/gpu_check.py`, which has not run on a GPU for these pages.",
+           "One layer at one head's shape of each model (Self-Forcing, LingBot-World, SmolLM2 decoding), read by "
+           "the span's queries (a video chunk's 4,680 queries; one decoded token), eager, on a 2-core CPU: every "
+           "storage format, every position map (RoPE at read), the compressed tier and a forked branch's paged "
+           "read against the dense bf16 read of the same slots. On a CPU the dense read is one fused kernel and "
+           "every other read goes through the block loop, which runs the same fused kernel a block at a time; the "
+           "Triton read on CUDA is timed by `scripts/gpu_check.py`, which has not run on a GPU for these pages. "
+           "One query reading a whole video cache (`--read-queries 1`) is the block loop's worst case: its fixed "
+           "cost per block is not shared by a chunk's queries (no target is judged there).",
            render_read),
     Result("chart", "Time per chunk against error", "streamkv chart --shape lingbot-world --shape smollm2-prefill "
            "--modes eager --repeats 3 --formats bf16,int8 --budgets tokens:1/4,bytes:1/4 --json docs/results/chart.json "

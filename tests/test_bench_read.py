@@ -117,3 +117,18 @@ def test_video_shapes_keep_the_presets_geometry():
         assert (s.capacity, s.sink, s.span, s.head_dim, s.model_heads) == (p.capacity, p.sink, p.chunk, p.head_dim,
                                                                           p.heads)
         assert s.grid[0] * s.grid[1] == p.tokens_per_frame
+
+
+def test_read_targets_are_judged_at_the_span_only(capsys):
+    """The read targets are set at a chunk of queries: a video shape read by fewer rows than its
+    span records its ratios and judges none; read by the span, every target variant is judged."""
+    from streamkv_lab.bench.reads import measure_shape
+
+    shape = get_shape("tiny-video")
+    one = measure_shape(shape, repeats=1, modes=("eager",), queries=1)
+    assert one["queries"] == 1 and one["targets"] == []
+    assert all(row["eager"]["ratio_vs_dense"] > 0 for row in one["variants"].values())
+    span = measure_shape(shape, repeats=1, modes=("eager",))
+    assert span["queries"] == shape.span and {t["variant"] for t in span["targets"]} >= {"format:int8", "paged"}
+    assert main(["bench", "--read", "--read-queries", "0"]) == 2
+    assert "--read-queries must be >= 1" in capsys.readouterr().err

@@ -3,8 +3,9 @@ compressed tier and for pages, against the dense bf16 read of the same tokens.
 
 At each shape (:mod:`.shapes`: the self-forcing and lingbot-world layers at one head, SmolLM2's
 layer decoding one token), a ring full of the shape's tokens (steady state: it has wrapped) with
-the open span written, and one query of that span reading it (``attend``; ``queries=None``:
-every query of the span, a video chunk's denoising pass), eager and compiled
+the open span written, and every query of that span reading it (``attend``: a video chunk's
+denoising pass, a prefill chunk, a decoded token; ``queries=n``: the span's last ``n`` rows, e.g.
+one query reading the whole cache), eager and compiled
 (``torch.compile(fullgraph=True)`` of ``attend(q, cache.read(0))``). Variants (registries
 iterated, never listed):
 
@@ -24,6 +25,9 @@ iterated, never listed):
 ``paged``              the ring with ``pages=True``, forked, one chunk written on the branch (its
                        page table is no longer the identity): pages walked through the table
 
+The targets are set at a chunk of queries (a video chunk, or SmolLM2's decoded token): a run that
+reads a video shape with fewer rows than its span records its ratios and judges no target there.
+
 Ratios: each median over ``dense``'s in the same mode, timed in interleaved rounds
 (:func:`~streamkv_lab.measure.time_interleaved`), the machine's load recorded. Transient bytes:
 the peak allocation above the read's start (allocator events). Compiled variants record graphs,
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import time
 import types
@@ -54,6 +59,10 @@ __all__ = ["READ_TARGETS", "TIER_FORMATS", "MODES", "read_variants", "measure_re
 #: the compressed tier's tier-2 formats measured
 TIER_FORMATS = ("int8", "int4")
 MODES = ("eager", "compiled")
+#: a read shorter than this (seconds) gets more rounds than ``repeats`` (at most MAX_ROUNDS): a
+#: millisecond-scale decode read needs dozens of samples for a stable median on a shared machine
+MIN_SAMPLED_S = 0.1
+MAX_ROUNDS = 40
 #: (what, threshold): the variant categories' targets at a video shape; at a decode shape, "decode"
 READ_TARGETS: dict[str, tuple[str, float]] = {
     "format:int8": ("int8 codes <= 1.3x the dense bf16 read", 1.3),
@@ -258,7 +267,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, backend: str = "inductor",
-                  seed: int = 0, queries: int | None = 1,
+                  seed: int = 0, queries: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every variant of :func:`read_variants` at ``shape``, in ``modes``, read by the span's last
     ``queries`` rows (None: every row of the span); the shape's JSON record."""
@@ -282,6 +291,10 @@ def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, b
         eager_fn = _reader(v, causal)
         with torch.no_grad():
             ref = eager_fn(v.q)
+            if name == "dense":  # one more call, timed: how many rounds give each read enough samples
+                t0 = time.perf_counter()
+                eager_fn(v.q)
+                dense_s = time.perf_counter() - t0
         for mode in modes:
             rec: dict[str, Any] = {}
             if mode == "eager":
@@ -311,7 +324,8 @@ def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, b
     say(f"read {shape.name}: timing {len(steps)} reads, interleaved")
     load_before = load_average()
     with torch.no_grad():
-        run = time_interleaved(steps, repeats=repeats, device="cpu", warmup=1, warmup_s=0.0)
+        rounds = max(repeats, min(MAX_ROUNDS, math.ceil(MIN_SAMPLED_S / max(dense_s, 1e-6))))
+        run = time_interleaved(steps, repeats=rounds, device="cpu", warmup=1, warmup_s=0.0)
     load_after = load_average()
     for key, samples in run.samples_ms.items():
         name, mode = key.rsplit("/", 1)
@@ -330,9 +344,9 @@ def measure_shape(shape: Shape, *, repeats: int, modes: Sequence[str] = MODES, b
     gc.collect()
     torch._dynamo.reset()
     out = {"shape": shape.to_dict(), "queries": nq, "variants": rows,
-           "timing": {**run.to_dict(), "repeats": repeats, "load_average_before": load_before,
+           "timing": {**run.to_dict(), "repeats": rounds, "load_average_before": load_before,
                       "load_average_after": load_after, "threads": torch.get_num_threads()}}
-    out["targets"] = evaluate_read_targets(shape, rows, modes)
+    out["targets"] = evaluate_read_targets(shape, rows, modes) if nq == shape.span else []
     return out
 
 
@@ -366,7 +380,7 @@ def evaluate_read_targets(shape: Shape, rows: dict[str, dict[str, Any]], modes: 
 
 
 def measure_reads(shapes: Sequence[str | Shape], *, repeats: int = 5, modes: Sequence[str] = MODES,
-                  backend: str = "inductor", seed: int = 0, queries: int | None = 1,
+                  backend: str = "inductor", seed: int = 0, queries: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The JSON key ``read``: every shape's record (:func:`measure_shape`), the targets and the load."""
     resolved = [get_shape(s) if isinstance(s, str) else s for s in shapes]
