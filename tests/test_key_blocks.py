@@ -46,15 +46,30 @@ def _signed_permutation(n, g):
     return r
 
 
+def _statistics_path(slices, monkeypatch):
+    import streamkv.blockread as br
+
+    if slices == "row by row":
+        monkeypatch.setattr(br, "_STAT_ELEMENTS", 1)
+    elif slices == "compiled":
+        monkeypatch.setattr(br, "COMPILE_MIN", 0)
+        real = br._block_statistics
+
+        def eager_refused(*a, sliced=True, **kw):  # the compiled kernel calls it with sliced=False, only
+            assert not sliced, "the statistics ran eagerly"
+            return real(*a, sliced=sliced, **kw)
+
+        monkeypatch.setattr(br, "_block_statistics", eager_refused)
+
+
 @pytest.mark.parametrize("cuts", [[], [1], [3, 4], [2, 5, 9]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("variant", ["plain", "basis", "slot_maps", "value_dim"])
-@pytest.mark.parametrize("slices", ["whole", "row by row"])
+@pytest.mark.parametrize("slices", ["whole", "row by row", "compiled"])
 def test_block_read_equals_whole_rows(cuts, causal, variant, slices, monkeypatch):
     """The block loop = whole-row attention (outputs, log-sum-exps, statistics), its statistics pass
-    scoring every query row at once or a row at a time."""
-    if slices != "whole":
-        monkeypatch.setattr("streamkv.blockread._STAT_ELEMENTS", 1)
+    reducing every key at once, a key at a time, or in its compiled kernel (the CPU's for large blocks)."""
+    _statistics_path(slices, monkeypatch)
     g = torch.Generator().manual_seed(len(cuts) * 4 + causal * 2 + len(variant))
     S, Q = 12, 5
     dv = 5 if variant == "value_dim" else D
@@ -78,12 +93,11 @@ def test_block_read_equals_whole_rows(cuts, causal, variant, slices, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("slices", ["whole", "row by row"])
+@pytest.mark.parametrize("slices", ["whole", "row by row", "compiled"])
 def test_grouped_queries_and_newest_rows(dtype, slices, monkeypatch):
     """Grouped-query attention (6 query heads on 3 key heads) and a statistic over the newest 2 rows
-    (scored at once, or a folded row at a time)."""
-    if slices != "whole":
-        monkeypatch.setattr("streamkv.blockread._STAT_ELEMENTS", 1)
+    (reduced at once, a key at a time, or compiled)."""
+    _statistics_path(slices, monkeypatch)
     g = torch.Generator().manual_seed(5)
     S, Q = 12, 4
     q = torch.randn(B, 2 * H, Q, D, generator=g, dtype=dtype)

@@ -302,6 +302,7 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     # a row that sees no cache slot (only an observer's rows) gives every slot 0, not NaN
     lse_rows = torch.where(torch.isfinite(lse_rows), lse_rows, math.inf)
     H, S, dev = heads, plan.slots, qt.device
+    lse_t = lse_rows.unsqueeze(-2).to(acc)  # [..., 1, G*r]
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
     for seg, a, b, key in _blocks(plan):
@@ -309,22 +310,11 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         if slots is None:
             continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
-        s = (queries(_key_basis(plan, seg)).to(acc) @ k.to(acc).transpose(-1, -2)).mul_(plan.scale)
-        if not (seg.visible and not plan.causal):
-            s.masked_fill_(_mask(plan, seg.positions[:, a:b], groups, rows, key=key), float("-inf"))
-        # [..., G*r, s], in acc; a probability is at most 1: exp(s - lse) above it is the rounding of a
-        # float32 or narrower lse (1 + 2**-16 seen), clamped so that a statistic keeps the range its state dict
-        # is checked against (the true p is <= 1, so the clamp never takes a value below the truth)
-        p = s.sub_(lse_rows.unsqueeze(-1).to(acc)).exp_().clamp_(max=1.0)
-        ph = p.movedim(ha, 0).reshape(H, -1, p.shape[-1]) if ha is not None else p.reshape(1, -1, p.shape[-1])
-        # the max of the rounded values, widened after: the same as widening first
-        bmax = None if kmax is None else ph.amax(1).to(torch.float64)
-        bsum = None
-        if ksum is not None:  # each value widened and summed in float64, a slice of rows at a time (no copy of p)
-            step = max(1, _STAT_ELEMENTS // max(1, H * ph.shape[-1]))
-            for r0 in range(0, ph.shape[1], step):
-                t = ph[:, r0:r0 + step].to(torch.float64).sum(1)
-                bsum = t if bsum is None else bsum.add_(t)
+        # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory
+        st = k.to(acc) @ queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)
+        hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
+        bmax, bsum = _reduce_block(st, None if hidden is None else hidden.transpose(-1, -2), lse_t, plan.scale, H, ha,
+                                   kmax is not None, ksum is not None)
         dest = slots[:, a:b]
         dest = torch.where(dest >= 0, dest, S).expand(H, -1)
         if kmax is not None:
@@ -332,3 +322,74 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         if ksum is not None:
             ksum.scatter_add_(-1, dest, bsum)
     return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])
+
+
+def _block_statistics(st: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int, ha: int | None,
+                      want_max: bool, want_sum: bool, sliced: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """Per key of one block and head: ``max_i p`` / ``sum_i p`` (float64 ``[H, s]``) of
+    ``p = exp(scores * scale - lse)`` over the query rows (and the batch), from key-major scores
+    ``st [..., s, R]``, ``hidden [..., s, R|1]`` entries 0, ``lse [..., 1, R]``. A probability is at
+    most 1: ``exp`` above it is the rounding of a float32 or narrower ``lse`` (1 + 2**-16 seen),
+    clamped so that a statistic keeps the range its state dict is checked against (the true ``p``
+    is <= 1, so the clamp never takes a value below the truth). Maxima of the rounded values,
+    widened after (the same as widening first); sums of each value widened to float64 (``sliced``:
+    a slice of keys at a time, eagerly, so that no float64 copy of ``p`` is made; a compiled kernel
+    widens in registers)."""
+    t = st * scale
+    if hidden is not None:
+        t = t.masked_fill(hidden, float("-inf"))
+    p = (t - lse).exp().clamp(max=1.0)
+    ph = p.movedim(ha, 0) if ha is not None else p.unsqueeze(0)  # [H, ..., s, R]
+    ph = ph.movedim(-2, 1).reshape(heads, p.shape[-2], -1)  # [H, s, (batch) R]
+    bmax = ph.amax(-1).to(torch.float64) if want_max else None
+    bsum = None
+    if want_sum and not sliced:
+        bsum = ph.to(torch.float64).sum(-1)
+    elif want_sum:
+        step = max(1, _STAT_ELEMENTS // max(1, heads * ph.shape[-1]))
+        bsum = torch.cat([ph[:, j:j + step].to(torch.float64).sum(-1) for j in range(0, ph.shape[1], step)], dim=1)
+    return bmax, bsum
+
+
+_REDUCE: dict[tuple, Any] = {}
+#: score entries of a block from which the CPU statistics run compiled (smaller: the eager ops)
+COMPILE_MIN = 1 << 18
+
+
+def _reduce_block(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int, ha: int | None,
+                  want_max: bool, want_sum: bool) -> tuple[Tensor | None, Tensor | None]:
+    """:func:`_block_statistics`; on the CPU, a block of at least :data:`COMPILE_MIN` scores in one
+    compiled kernel (scale, mask, exp, clamp and both reductions in one pass over the scores, where
+    the eager ops make seven), outside a trace and a Python dispatch mode."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if (s.device.type == "cpu" and s.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None):
+        key = (hidden is None, ha, want_max, want_sum)
+        fn = _REDUCE.get(key, False)
+        if fn is False:
+            fn = _REDUCE[key] = _compile_reduce(key)
+        if fn is not None:
+            return fn(s, hidden, lse, scale, heads)
+    return _block_statistics(s, hidden, lse, scale, heads, ha, want_max, want_sum)
+
+
+def _compile_reduce(key: tuple) -> Any:
+    """One compiled :func:`_block_statistics` per (mask or none, head axis, reductions), each with a
+    code object of its own (torch.compile keeps its graphs on the code object: closures of one
+    ``def`` would share one cache of at most ``cache_size_limit`` graphs); None where torch cannot
+    compile here."""
+    import types
+
+    _, ha, want_max, want_sum = key
+
+    def reduce(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int):
+        return _block_statistics(s, hidden, lse, scale, heads, ha, want_max, want_sum, sliced=False)
+
+    name = "statistics_" + "_".join(str(x) for x in key)
+    reduce = types.FunctionType(reduce.__code__.replace(co_name=name, co_qualname=name), reduce.__globals__, name,
+                                reduce.__defaults__, reduce.__closure__)
+    try:
+        return torch.compile(reduce, dynamic=True, fullgraph=True)
+    except Exception:  # noqa: BLE001 - no compiler on this machine: the eager ops run
+        return None
