@@ -23,14 +23,10 @@ widened; sums widened a slice of query rows at a time and accumulated in float64
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
 of the keys' size; exact for float32/float64); the statistics pass scores the same rounded keys.
-In a segment that may hold empty or evicted slots, a row hidden from every query of a block is
-replaced by zeros before it is attended (``where``, not a weight of 0: 0 times NaN is NaN), so a
-stale non-finite key or value in a slot no longer held weighs nothing; a segment whose every row
-is held (``visible``) or holds finite numbers only (``finite``: quantised codes under
-``check_finite``), host facts, skips that copy. A non-finite row that some query
-of the block sees (a held token; or, with ``causal``, a later position of the open span) is
-attended as stored: quantised storage refuses such rows at the commit (``check_finite``), and a
-dense store holds what it was given.
+A row hidden from every query of a block is zeroed before it is attended (``where``: 0 times NaN
+is NaN), so a stale non-finite row in an empty slot weighs nothing, unless the segment's rows are
+all held or all finite (``visible``, ``finite``: host facts). A non-finite row some query sees is
+attended as stored (quantised storage refuses one at the commit; a dense store holds what it got).
 """
 
 from __future__ import annotations

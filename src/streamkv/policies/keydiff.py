@@ -7,7 +7,8 @@ length; a key's score is minus its cosine similarity to the anchor (averaged ove
 After a commit the ``budget`` kept are the sinks, the chunk just committed and the highest
 scores: the keys most like the anchor leave first. Keys only: no queries are needed.
 
-Cost: each key's norm is computed once, at its commit, and kept per slot (:attr:`norms`); the
+Cost: each key's norm is computed once, at its commit, and kept per slot (per batch row,
+:class:`~.scored.KeptNorms`); the
 anchor moves with every commit, so a commit reads every held key twice (the anchor, then each
 key's dot product with it): two matrix-vector products per (layer, head) in the cache's dtype,
 no copy of the history.
@@ -15,32 +16,21 @@ no copy of the history.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from ..layout import CacheLayout
-from ..storage import KVStorage
-from .scored import FixedBudget, Scores, check_scores
+from .scored import KeptNorms, Scores
 
 __all__ = ["KeyDiff"]
 
 _EPS = 1e-12  # torch.nn.functional.normalize's floor on a norm
 
 
-class KeyDiff(FixedBudget):
+class KeyDiff(KeptNorms):
     """Most distinctive keys kept; ``budget`` as :class:`~streamkv.policies.scored.FixedBudget`."""
 
     name = "keydiff"
-    needs_queries = False
-
-    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
-        super().bind(storage, layout, lifecycle)
-        R = storage.dims.rows_per_slot
-        #: ``[L, H, R, capacity]``: each held key's L2 norm per batch row (set at its commit)
-        self.norms = torch.zeros((storage.num_layers, storage.heads, R, storage.capacity),
-                                 dtype=torch.promote_types(storage.dtype, torch.float32), device=storage.device)
+    norms_per_row = True
 
     def priority(self, scores: Scores) -> Tensor:
         span = scores.span_keys()  # [L, H, R, n, D]
@@ -62,15 +52,3 @@ class KeyDiff(FixedBudget):
 
     def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
         self.norms.copy_(torch.where((valid & ~evict).unsqueeze(2), scores.derived["norms"], 0.0))
-
-    def reset(self) -> None:
-        super().reset()
-        self.norms.zero_()
-
-    def state(self) -> dict[str, Tensor]:
-        return {**super().state(), "norms": self.norms}
-
-    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
-        super().check_state(state, end, span, is_open)
-        check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"],
-                     finite=self.check_finite)

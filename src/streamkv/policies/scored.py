@@ -42,7 +42,7 @@ from ..layout import CacheLayout
 from ..storage import KVStorage, check_int
 from .base import SlotPolicy, Step
 
-__all__ = ["ScoredPolicy", "FixedBudget", "Scores", "check_scores"]
+__all__ = ["ScoredPolicy", "FixedBudget", "KeptNorms", "Scores", "check_scores"]
 
 _BIG = torch.iinfo(torch.long).max
 
@@ -466,3 +466,35 @@ class FixedBudget(ScoredPolicy):
     def most_evicted(self) -> int:
         """A commit leaves ``budget`` tokens of at most ``sink + window`` held: ``capacity - budget``."""
         return self.layout.capacity - self.budget
+
+
+class KeptNorms(FixedBudget):
+    """A fixed budget ranked from the held keys alone, with each key's L2 norm computed once, at
+    its commit, and kept per slot (:attr:`norms`): a commit costs its span, not the history. No
+    queries are needed, so attention may run in any kernel. Subclasses rank (:meth:`priority`;
+    the span's new norms go in with ``norms.scatter``, out of place, so that a refused commit
+    changes nothing) and keep the kept tokens' norms in :meth:`on_commit`."""
+
+    needs_queries = False
+    #: the norms are kept per batch row (``[L, H, rows, capacity]``), else averaged over the batch
+    #: (``[L, H, capacity]``)
+    norms_per_row: ClassVar[bool] = False
+
+    def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
+        super().bind(storage, layout, lifecycle)
+        rows = (storage.dims.rows_per_slot,) if self.norms_per_row else ()
+        #: each held key's L2 norm (0 for an empty slot), set at its commit
+        self.norms = torch.zeros((storage.num_layers, storage.heads, *rows, storage.capacity),
+                                 dtype=torch.promote_types(storage.dtype, torch.float32), device=storage.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.norms.zero_()
+
+    def state(self) -> dict[str, Tensor]:
+        return {**super().state(), "norms": self.norms}
+
+    def check_state(self, state: dict[str, Any], end: int, span: int, is_open: bool) -> None:
+        super().check_state(state, end, span, is_open)
+        check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"],
+                     finite=self.check_finite)

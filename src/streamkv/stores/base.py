@@ -19,6 +19,10 @@ A :class:`Segment` is one of:
 Each row also says which cache slot it is (``slots``: an offset, a per-head map, or None for
 rows outside the cache's slots), so that per-slot statistics of a read come back to the
 slots the policy ranks.
+
+Why one module: the store interface, the write plan it receives and the segment it answers with
+are one contract (a store's methods are defined by what a segment must say); split, each half
+would only make sense read beside the other.
 """
 
 from __future__ import annotations

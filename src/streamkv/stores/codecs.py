@@ -35,7 +35,8 @@ orthogonal, the same for every cache of a head dim; QuaRot, arXiv 2404.00456): i
 channel outlier over the token; the read applies ``R`` to the queries and ``R^T`` to the
 output once, never to key blocks (dot products are invariant under ``R``).
 
-Why this long: the formats, their error bounds and byte counts are the storage's definition.
+Why one module (and this long): the formats, their error bounds and byte counts are the
+storage's definition, and the compiled CPU kernels that decode them belong with them.
 """
 
 from __future__ import annotations
