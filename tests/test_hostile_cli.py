@@ -109,7 +109,7 @@ REFUSED = [
     ("bench --read --modes eager,fast", "--modes must be a comma-separated subset of eager, compiled"),
     ("bench --modes eager", "--modes: options of --read"),
     ("bench --read-shape tiny-video", "--read-shape: options of --read"),
-    ("bench --read-span", "--read-span: options of --read"),
+    ("bench --read-queries 1", "--read-queries: options of --read"),
     # chart: lists checked against the registries, options of what does not run refused
     ("chart --kinds ring,lru", "--kinds must be distinct names of full, ring"),
     ("chart --formats int3", "--formats must be distinct names of"),
@@ -149,7 +149,7 @@ VALID = [  # each reaches its work: the checks refuse nothing the commands can r
     "certify --real", "certify --real --datasets video --video-frames 8 --seed 1",
     "lm-eval --quick --kinds ring,mass --taus 0.1", "video-eval", "train-toy --frames 16",
     "rollout", "rollout --compare --tau 0.1", "rollout --cache mass --tau 0.1", "rollout --model diffusers-wan",
-    "bench --read", "bench --read --read-span", "bench --read --read-shape tiny-decode --modes compiled --compile-backend eager",
+    "bench --read", "bench --read --read-queries 1", "bench --read --read-shape tiny-decode --modes compiled --compile-backend eager",
     "chart",
     "chart --shape tiny-video --kinds full,tova,tier --formats bf16,int8 --budgets bytes:1/3 --modes compiled",
 ]

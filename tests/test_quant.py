@@ -357,3 +357,34 @@ def test_bounds_in_a_hadamard_basis_cover_the_rotation_rounding(fmt):
     err = (x[:, slots] @ r.T - stored).abs()
     bound = c.storage.store.error_bounds(0, "k", slots).double()
     assert bool((err <= bound).all()), (err - bound).max()
+
+
+def test_a_ring_reads_no_code_row_its_open_span_shadows():
+    """While a ring's span is open its tokens are in full-precision rows; the code rows of their
+    slots are stale, hidden from every query, and left out of the read (host ranges, no residual).
+    A commit, a reset or a load voids the cut; the read stays exact (float64 over the stored values)."""
+    cache = _cache("ring", KVQuant("int8"), dtype=torch.float64)
+    g = torch.Generator().manual_seed(8)
+
+    def step(c):
+        cache.begin_chunk(c)
+        q, k, v = (torch.randn(B, C, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+        read = cache.layer(0).update(k, v, q)
+        out, _ = attend(q, read)
+        want = _reference(q, read, cache.keys(0), cache.values(0), False)
+        assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+        return read
+
+    for c in range(6):
+        read = step(c)
+        codes = sum(s.n for s in read.segments() if s.k_codec is not None)
+        # the first chunk writes the sinks' rows too (slots below the codes): no cut there
+        assert codes == (WINDOW if c * C < SINK else WINDOW - C), "the open span's code rows are left out"
+        state = cache.state_dict()
+        cache.commit_chunk(c)
+    store = cache.storage.store
+    assert store._code_runs(WINDOW) == [(0, WINDOW)], "committed: every code row is read"
+    cache.begin_chunk(6)
+    assert len(store._code_runs(WINDOW)) >= 1 and sum(m for _, m in store._code_runs(WINDOW)) == WINDOW - C
+    cache.load_state_dict(state)  # the map is loaded: the cut is void until the next begin
+    assert store._code_runs(WINDOW) == [(0, WINDOW)]

@@ -95,6 +95,8 @@ class QuantStore(Store):
         self._slot_idx = torch.arange(S, dtype=torch.long, device=device)
         self._heads_idx = torch.arange(H, dtype=torch.long, device=device)
         self._sinks_hot()
+        #: the code rows the open span shadows, where the host knows them (:meth:`_shadowed`)
+        self._shadow: tuple | None = None
         kb, vb = quant.bases()
         self.rk = hadamard(D, device) if kb == "hadamard" else None
         self.rv = hadamard(Dv, device) if vb == "hadamard" else None
@@ -188,6 +190,36 @@ class QuantStore(Store):
             hp[:m].copy_(self._arange[:m]).add_(start)
         plan = where.plan[..., :n]  # [L|1, H|1, n], the shape of hot_row's leading dims
         self.hot_row.scatter_(-1, plan.expand(*self.hot_row.shape[:2], n), hp[:n].expand(*self.hot_row.shape[:2], n))
+        self._shadow = self._shadowed(where)
+
+    def _shadowed(self, where: WritePlan) -> tuple | None:
+        """The code rows the open span's full-precision rows shadow, as host runs ``(row, rows)``,
+        where the host knows them: every head's span in the same slots, in host ranges (the ring),
+        no residual (no other slot reads a hot row), codes not in pages; else None. Kept with the
+        map's tensor and version: any later change of the map (a commit's release, a load, a
+        reset) voids it."""
+        if (self.quant.residual or where.per_head or where.ranges is None or self.table is not None
+                or self.hot_row.is_inference() or torch.compiler.is_compiling()):
+            return None
+        if any(a < self.c0 for a, _ in where.ranges):
+            return None
+        return tuple((a - self.c0, m) for a, m in where.ranges), self.hot_row, self.hot_row._version
+
+    def _code_runs(self, n: int) -> list[tuple[int, int]]:
+        """The runs ``(row, rows)`` of the ``n`` code rows a read attends: all of them, or those no
+        hot row of the open span shadows (a shadowed code row is hidden from every query: it would
+        only cost the read its scores)."""
+        sh = getattr(self, "_shadow", None)
+        if sh is None or torch.compiler.is_compiling() or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
+            return [(0, n)]
+        out, at = [], 0
+        for a, m in sorted(sh[0]):
+            if a > at:
+                out.append((at, a - at))
+            at = max(at, a + m)
+        if at < n:
+            out.append((at, n - at))
+        return out
 
     def write(self, layer: int, k: Tensor, v: Tensor, where: WritePlan) -> None:
         seq = self.dims.seq
@@ -299,10 +331,14 @@ class QuantStore(Store):
             elif table is not None:
                 pages = {"pages": table.dev, "page": table.page,
                          "host_pages": None if torch.compiler.is_compiling() else tuple(table.host)}
-            out.append(Segment(
-                n=n, positions=code_pos, keys=kc, values=vc, features=d.features, dtype=self.acc,
-                k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv), k_scale=ks, v_scale=vs,
-                k_basis=self.rk, v_basis=self.rv, slots=c0, finite=self.quant.check_finite, **pages))
+            runs = [(0, n)] if pages else self._code_runs(n)
+            for a, m in runs:
+                part = (lambda t, a=a, m=m: t if t is None or (a, m) == (0, n) else t.narrow(-2, a, m))
+                out.append(Segment(
+                    n=m, positions=code_pos[:, a:a + m], keys=part(kc), values=part(vc), features=d.features,
+                    dtype=self.acc, k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv), k_scale=part(ks),
+                    v_scale=part(vs), k_basis=self.rk, v_basis=self.rv, slots=c0 + a, finite=self.quant.check_finite,
+                    **pages))
         return out
 
     def span(self, which: str, where: WritePlan, n: int) -> Tensor:
