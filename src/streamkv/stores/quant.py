@@ -209,8 +209,10 @@ class QuantStore(Store):
         """The runs ``(row, rows)`` of the ``n`` code rows a read attends: all of them, or those no
         hot row of the open span shadows (a shadowed code row is hidden from every query: it would
         only cost the read its scores)."""
-        sh = getattr(self, "_shadow", None)
-        if sh is None or torch.compiler.is_compiling() or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
+        if torch.compiler.is_compiling():  # a traced read reads every row (and guards on nothing the host keeps)
+            return [(0, n)]
+        sh = self._shadow
+        if sh is None or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
             return [(0, n)]
         out, at = [], 0
         for a, m in sorted(sh[0]):
