@@ -226,3 +226,21 @@ def test_cli_fuzzes_fork_trees(tmp_path):
     assert main(["fuzz", "--layouts", "1", "--calls", "2", "--forks", "2", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["forks"]["cases"] == 2 and data["forks"]["leaked_pages"] == 0 and data["mismatches"] == 0
+
+
+def test_the_quant_fuzz_accepts_one_rounding_in_a_basis_and_no_other_token():
+    """The quantised fuzz's fallback for a Hadamard basis (the store's float32 rotation may round the
+    other way at a format's boundary): a stored value of the token passes, another token's fails,
+    and outside a basis there is no fallback."""
+    import torch
+
+    from streamkv.quant import KV_FORMATS, KVQuant
+    from streamkv_lab.fuzz_quant import _one_rounding_apart, round_trip
+
+    g = torch.Generator().manual_seed(3)
+    for fmt in KV_FORMATS:
+        quant = KVQuant(fmt, basis="hadamard")
+        x, other = torch.randn(2, 8, generator=g) * 2, torch.randn(2, 8, generator=g) * 2
+        assert _one_rounding_apart(quant, "k", x, round_trip(quant, "k", x)), fmt
+        assert not _one_rounding_apart(quant, "k", x, round_trip(quant, "k", other)), fmt
+        assert not _one_rounding_apart(KVQuant(fmt), "k", x, round_trip(KVQuant(fmt), "k", x)), fmt

@@ -44,6 +44,26 @@ def round_trip(quant: KVQuant, which: str, x: torch.Tensor) -> torch.Tensor:
     return out @ r if r is not None else out
 
 
+def _one_rounding_apart(quant: KVQuant, which: str, x: torch.Tensor, got: torch.Tensor) -> bool:
+    """In a Hadamard basis the stored value is the format's rounding of ``x @ R.T`` as the store's
+    float32 matmul summed it, which may differ from :func:`round_trip`'s in the last bit and land
+    on the other side of a rounding boundary: then ``got`` (rotated into the basis) must still be
+    within the format's bound of the exactly rotated ``x`` (float64), plus that float32 slack (and
+    one bfloat16 step of a scale, which the store's absmax may have crossed)."""
+    basis = quant.bases()[0 if which == "k" else 1]
+    if basis != "hadamard":
+        return False
+    fmt = quant.key_format if which == "k" else quant.value_format
+    d = x.shape[-1]
+    g = quant.group or d
+    r = hadamard(d)
+    y = x.double() @ r.double().T  # the rotation, exactly enough
+    codes, scale = fmt.encode(y.float(), g)
+    bound = fmt.error_bound(codes, scale, d, g).double()
+    slack = d * 2.0**-23 * (x.double().abs() @ r.double().abs().T)  # float32 summation of the rotation
+    return bool(((got.double() @ r.double().T - y).abs() <= bound * (1 + 2.0**-7) + slack).all())
+
+
 def _reference(q, read, k, v, causal):
     pos = read.positions
     H = pos.shape[0]
@@ -151,8 +171,10 @@ def _case(rng: random.Random, g: torch.Generator, steps: int) -> tuple[int, int,
                 if p < 0:
                     continue
                 for which, got, orig in (("k", kx[:, s, h], hist[p][0][:, h]), ("v", vx[:, s, h], hist[p][1][:, h])):
-                    want = orig.float() if p in hot or (quant.sinks and p < sink) else round_trip(quant, which, orig)
-                    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (kind, fmt, quant, p, reopen)
+                    full = p in hot or (quant.sinks and p < sink)
+                    want = orig.float() if full else round_trip(quant, which, orig)
+                    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) or (
+                        not full and _one_rounding_apart(quant, which, orig, got)), (kind, fmt, quant, p, reopen)
                     checked += 1
         cache.commit()
         end = cache.end

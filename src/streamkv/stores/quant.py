@@ -242,6 +242,7 @@ class QuantStore(Store):
                                  f"K/V again before the commit; nothing was committed")
 
     def commit(self, start: int, n: int, where: WritePlan) -> None:
+        self._shadow = None  # the span's rows become codes: none is shadowed until the next begin
         first = max(0, min(self.c0 - start, n))  # rows [0, first) are full-precision sinks
         if first < n:
             self._quantise_rows(self.hot_plan[first:n], where.plan[..., first:n], where.per_head)
