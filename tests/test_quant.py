@@ -359,10 +359,14 @@ def test_bounds_in_a_hadamard_basis_cover_the_rotation_rounding(fmt):
     assert bool((err <= bound).all()), (err - bound).max()
 
 
-def test_a_ring_reads_no_code_row_its_open_span_shadows():
+def test_a_ring_reads_no_code_row_its_open_span_shadows(monkeypatch):
     """While a ring's span is open its tokens are in full-precision rows; the code rows of their
-    slots are stale, hidden from every query, and left out of the read (host ranges, no residual).
-    A commit, a reset or a load voids the cut; the read stays exact (float64 over the stored values)."""
+    slots are stale, hidden from every query, and left out of the read (host ranges, no residual;
+    here at any size: by default only where the cut saves a sixteenth of the rows). A commit, a
+    reset or a load voids the cut; the read stays exact (float64 over the stored values)."""
+    import streamkv.stores.quant as qs
+
+    monkeypatch.setattr(qs, "_MIN_CUT", 0)
     cache = _cache("ring", KVQuant("int8"), dtype=torch.float64)
     g = torch.Generator().manual_seed(8)
 
@@ -387,4 +391,8 @@ def test_a_ring_reads_no_code_row_its_open_span_shadows():
     cache.begin_chunk(6)
     assert len(store._code_runs(WINDOW)) >= 1 and sum(m for _, m in store._code_runs(WINDOW)) == WINDOW - C
     cache.load_state_dict(state)  # the map is loaded: the cut is void until the next begin
+    assert store._code_runs(WINDOW) == [(0, WINDOW)]
+    monkeypatch.setattr(qs, "_MIN_CUT", C + 1)  # fewer rows shadowed than a cut is worth: none
+    cache.commit_chunk(5)  # the loaded state's open chunk
+    cache.begin_chunk(6)
     assert store._code_runs(WINDOW) == [(0, WINDOW)]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .compiled import compile_kernel, may_compile
 from .scoring import Blockwise, fold_groups, unfold_groups
 from .storage import position_mask
 from .stores import Dims, Segment
@@ -357,10 +358,7 @@ def _reduce_block(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, h
     """:func:`_block_statistics`; on the CPU, a block of at least :data:`COMPILE_MIN` scores in one
     compiled kernel (scale, mask, exp, clamp and both reductions in one pass over the scores, where
     the eager ops make seven), outside a trace and a Python dispatch mode."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if (s.device.type == "cpu" and s.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None):
+    if may_compile(s, s.numel(), COMPILE_MIN):
         key = (hidden is None, ha, want_max, want_sum)
         fn = _REDUCE.get(key, False)
         if fn is False:
@@ -371,21 +369,11 @@ def _reduce_block(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, h
 
 
 def _compile_reduce(key: tuple) -> Any:
-    """One compiled :func:`_block_statistics` per (mask or none, head axis, reductions), each with a
-    code object of its own (torch.compile keeps its graphs on the code object: closures of one
-    ``def`` would share one cache of at most ``cache_size_limit`` graphs); None where torch cannot
-    compile here."""
-    import types
-
+    """One compiled :func:`_block_statistics` per (mask or none, head axis, reductions); None where
+    torch cannot compile here."""
     _, ha, want_max, want_sum = key
 
     def reduce(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int):
         return _block_statistics(s, hidden, lse, scale, heads, ha, want_max, want_sum, sliced=False)
 
-    name = "statistics_" + "_".join(str(x) for x in key)
-    reduce = types.FunctionType(reduce.__code__.replace(co_name=name, co_qualname=name), reduce.__globals__, name,
-                                reduce.__defaults__, reduce.__closure__)
-    try:
-        return torch.compile(reduce, dynamic=True, fullgraph=True)
-    except Exception:  # noqa: BLE001 - no compiler on this machine: the eager ops run
-        return None
+    return compile_kernel(reduce, "statistics_" + "_".join(str(x) for x in key))

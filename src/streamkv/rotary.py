@@ -33,8 +33,9 @@ from fractions import Fraction
 from typing import Literal
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch import Tensor
+
+from .compiled import compile_kernel, may_compile
 
 __all__ = ["ANGLE_ERROR", "FrameRope", "Rope1D", "Rotary", "exact_angles", "limb_residues"]
 
@@ -92,10 +93,7 @@ def _compiled_rotate(style: str):
                 return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
             a, b = xf.chunk(2, dim=-1)
             return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
-        try:
-            _ROTATE[style] = torch.compile(rotate, dynamic=True, fullgraph=True)
-        except Exception:  # noqa: BLE001 - no compiler on this machine: rotate eagerly
-            _ROTATE[style] = None
+        _ROTATE[style] = compile_kernel(rotate, f"rotate_{style}")
     return _ROTATE[style]
 
 
@@ -110,18 +108,8 @@ def _compiled_cos_sin(dtype: torch.dtype):
         def cos_sin(delta: Tensor, freqs: Tensor, residues: Tensor) -> tuple[Tensor, Tensor]:
             ang = exact_angles(delta, freqs, residues).to(dtype)
             return ang.cos(), ang.sin()
-        try:
-            _COS_SIN[dtype] = torch.compile(cos_sin, dynamic=True, fullgraph=True)
-        except Exception:  # noqa: BLE001 - no compiler on this machine: the eager ops run
-            _COS_SIN[dtype] = None
+        _COS_SIN[dtype] = compile_kernel(cos_sin, f"cos_sin_{str(dtype).removeprefix('torch.')}")
     return _COS_SIN[dtype]
-
-
-def _compile_here(x: Tensor, elements: int) -> bool:
-    """A CPU computation of ``elements`` elements may take its compiled kernel (outside a trace and
-    a Python dispatch mode, where a compiled kernel cannot run)."""
-    return (x.device.type == "cpu" and elements >= COMPILE_MIN and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None)
 
 
 class Rotary:
@@ -177,7 +165,7 @@ class Rotary:
         CPU, blocks of at least :data:`COMPILE_MIN` elements go through one compiled kernel (a
         single pass where the eager ops make six or more); the arithmetic is the same. Under a Python
         dispatch mode (an op counter, a debug mode), where a compiled kernel cannot run, the eager ops do."""
-        if x.dtype != cos.dtype and _compile_here(x, x.numel()):
+        if x.dtype != cos.dtype and may_compile(x, x.numel(), COMPILE_MIN):
             fn = _compiled_rotate(self.style)
             if fn is not None:
                 return fn(x, cos, sin)
@@ -241,7 +229,7 @@ class Rope1D(Rotary):
         """As :meth:`Rotary.cos_sin`; on the CPU, integer offsets of at least :data:`COMPILE_MIN`
         table entries go through one compiled kernel (the same arithmetic in one pass, where the
         eager ops make a dozen over float64 tables)."""
-        if not delta.dtype.is_floating_point and _compile_here(delta, delta.numel() * self.freqs.numel()):
+        if not delta.dtype.is_floating_point and may_compile(delta, delta.numel() * self.freqs.numel(), COMPILE_MIN):
             fn = _compiled_cos_sin(dtype)
             if fn is not None:
                 return fn(delta, self.freqs, self.residues)

@@ -42,13 +42,13 @@ storage's definition, and the compiled CPU kernels that decode them belong with 
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch import Tensor
+
+from ..compiled import compile_kernel, may_compile
 
 __all__ = ["Codec", "IntCodec", "Fp8Codec", "BF16Codec", "KV_FORMATS", "KVQuant", "as_quant", "hadamard",
            "codec_of"]
@@ -135,8 +135,7 @@ class Codec:
         the eager ops make four or more passes); the values are the same, the kernel only fuses
         the passes. Under a Python dispatch mode (an op counter, a debug mode), where a compiled
         kernel cannot run, the eager ops do."""
-        if (codes.device.type == "cpu" and codes.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
-                and _get_current_dispatch_mode() is None):
+        if may_compile(codes, codes.numel(), COMPILE_MIN):
             fn = _compiled(self, dim, group, dtype, drop is not None)
             if fn is not None:
                 return fn(codes, scale) if drop is None else fn(codes, scale, drop)
@@ -268,13 +267,9 @@ def zero_rows(x: Tensor, drop: Tensor) -> Tensor:
     (``where``: a non-finite row weighs nothing). On the CPU, blocks of at least
     :data:`COMPILE_MIN` elements go through one compiled kernel (the eager ``where`` over a
     broadcast row mask is several times slower); the values are the same."""
-    if (x.device.type == "cpu" and x.numel() >= COMPILE_MIN and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None):
+    if may_compile(x, x.numel(), COMPILE_MIN):
         if not _ZERO_ROWS:
-            try:
-                _ZERO_ROWS.append(torch.compile(_zeroed, dynamic=True, fullgraph=True))
-            except Exception:  # noqa: BLE001 - no compiler on this machine: the eager op runs
-                _ZERO_ROWS.append(None)
+            _ZERO_ROWS.append(compile_kernel(_zeroed, "zero_rows"))
         if _ZERO_ROWS[0] is not None:
             return _ZERO_ROWS[0](x, drop)
     return _zeroed(x, drop)
@@ -303,15 +298,8 @@ def _compiled(codec: Codec, dim: int, group: int, dtype: torch.dtype, dropping: 
         else:
             def decode(codes: Tensor, scale: Tensor | None) -> Tensor:
                 return _decoded(codec, codes, scale, dim, group, dtype, None)
-        # a code object of its own per key: torch.compile keeps its graphs on the code object, and
-        # closures of one ``def`` would share one cache of at most ``cache_size_limit`` graphs
         name = f"decode_{codec.name}_{dim}_{group}_{str(dtype).removeprefix('torch.')}{'_drop' if dropping else ''}"
-        decode = types.FunctionType(decode.__code__.replace(co_name=name, co_qualname=name), decode.__globals__,
-                                    name, decode.__defaults__, decode.__closure__)
-        try:
-            _COMPILED[key] = torch.compile(decode, dynamic=True, fullgraph=True)
-        except Exception:  # noqa: BLE001 - no compiler on this machine: decode eagerly
-            _COMPILED[key] = None
+        _COMPILED[key] = compile_kernel(decode, name)
     return _COMPILED[key]
 
 

@@ -56,6 +56,10 @@ def _with_basis_rounding(e: Tensor, decoded: Tensor, dim: int) -> Tensor:
     return ((e.double() + gamma * norm) * (1.0 + 2.0**-22)).float()
 
 
+#: the fewest shadowed code rows worth a cut of the read (a decoded token's one row is not)
+_MIN_CUT = 64
+
+
 class QuantStore(Store):
     """Codes, scales and full-precision hot rows of one cache (see the module docstring)."""
 
@@ -208,11 +212,14 @@ class QuantStore(Store):
     def _code_runs(self, n: int) -> list[tuple[int, int]]:
         """The runs ``(row, rows)`` of the ``n`` code rows a read attends: all of them, or those no
         hot row of the open span shadows (a shadowed code row is hidden from every query: it would
-        only cost the read its scores)."""
+        only cost the read its scores) where they are at least a sixteenth of the rows (and
+        :data:`_MIN_CUT`): a cut adds a segment, which costs more than a decoded token's row saves."""
         if torch.compiler.is_compiling():  # a traced read reads every row (and guards on nothing the host keeps)
             return [(0, n)]
         sh = self._shadow
         if sh is None or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
+            return [(0, n)]
+        if sum(m for _, m in sh[0]) < max(_MIN_CUT, n // 16):  # a cut costs a segment: taken where it saves rows
             return [(0, n)]
         out, at = [], 0
         for a, m in sorted(sh[0]):
