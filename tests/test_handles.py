@@ -29,6 +29,17 @@ def _chunk(cache, c, gen):
     return read, q
 
 
+def _forked_ring(gen):
+    """A paged float64 ring with three chunks committed, and its one branch."""
+    root = KVCache((1, S + W, H, D), (1, S + W, H, D), policy="ring", seq_dim=1, sink=S, window=W, chunk=C,
+                   dtype=torch.float64, pages={"spare": 4})
+    for c in range(3):
+        _chunk(root, c, gen)
+        root.commit_chunk(c)
+    (branch,) = root.fork()
+    return root, branch
+
+
 _ACCESSORS = {"keys": lambda r: r.keys, "values": lambda r: r.values, "bias": lambda r: r.bias(),
               "causal_bias": lambda r: r.causal_bias(torch.arange(C)), "stored": lambda r: r.stored(),
               "segments": lambda r: r.segments()}
@@ -101,12 +112,7 @@ def test_a_read_or_step_made_before_a_release_is_refused():
     from streamkv import CacheSet
 
     gen = torch.Generator().manual_seed(3)
-    root = KVCache((1, S + W, H, D), (1, S + W, H, D), policy="ring", seq_dim=1, sink=S, window=W, chunk=C,
-                   dtype=torch.float64, pages={"spare": 4})
-    for c in range(3):
-        _chunk(root, c, gen)
-        root.commit_chunk(c)
-    (branch,) = root.fork()
+    root, branch = _forked_ring(gen)
     read = branch.read(0)
     step = branch.prepare_begin(branch.next_chunk)
     pool = root.storage.store.table.pool
@@ -141,12 +147,7 @@ def test_a_prepared_step_runs_once_and_only_where_it_was_planned():
     cache, or after a fork shared its pages (its copy on write planned nothing), is refused (nothing
     changes: no page taken twice, no reservation below zero, no write into a branch's pages)."""
     gen = torch.Generator().manual_seed(4)
-    root = KVCache((1, S + W, H, D), (1, S + W, H, D), policy="ring", seq_dim=1, sink=S, window=W, chunk=C,
-                   dtype=torch.float64, pages={"spare": 4})
-    for c in range(3):
-        _chunk(root, c, gen)
-        root.commit_chunk(c)
-    (branch,) = root.fork()
+    root, branch = _forked_ring(gen)
     pool = root.storage.store.table.pool
     step = root.prepare_begin(root.next_chunk)
     step.run()
