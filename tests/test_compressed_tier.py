@@ -100,6 +100,55 @@ def test_certificate_never_below_float64_truth(kind, fmt):
     assert seen["naive_below"] > 0, "a certificate without the quantisation slack must fail somewhere"
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_blocked_compiled_certificate(fmt, monkeypatch):
+    """The certificate a block of query rows at a time, each block's weights in the compiled kernel
+    (forced at this size): never below the float64 truth, and the same held attention, log-sum-exp
+    and mass bound as the whole-chunk eager certificate (the blocks change only which entries
+    step 3 takes exactly)."""
+    from streamkv.certify import bound32
+
+    q, k, v = _stream(seed=3)
+
+    def certs():
+        cache, tier = _build("tova", fmt)
+        got = []
+
+        def each(a, b, out):
+            cert = tier.last[0]
+            full, _ = _full(q, k, v, a, b)
+            assert ((full - cert.out_kept).abs() <= cert.error).all(), f"{fmt}: certificate below the truth"
+            got.append(cert)
+
+        _run(cache, tier, q, k, v, each)
+        return got
+
+    whole = certs()
+    monkeypatch.setattr(bound32, "BLOCK_ELEMENTS", 3 * H * 120)  # blocks of a few of a chunk's query rows
+    monkeypatch.setattr(bound32, "COMPILE_MIN", 0)
+    blocked = certs()
+    assert bound32._WEIGHTS and bound32._WEIGHTS[0] is not None, "the compiled kernel must have run"
+    for x, y in zip(whole, blocked, strict=True):
+        assert torch.allclose(x.out_kept, y.out_kept, rtol=0, atol=1e-5)
+        assert torch.allclose(x.lse_kept, y.lse_kept, rtol=0, atol=1e-5)
+        assert torch.allclose(x.mass, y.mass, rtol=1e-4, atol=1e-12)
+
+
+def test_zeroth_order_weight_from_exp_is_not_below_expm1():
+    """Step 2's ``g_j`` from float32 ``exp`` (no accurate ``expm1`` assumed: a compiled one is
+    ``exp - 1``) is at least ``(1 - u)`` times the float64 value, down to tiny arguments; without
+    its pad it is below (control)."""
+    from streamkv.certify.bound32 import U32, _zeroth
+
+    x = torch.cat([torch.logspace(-12, 1, 4000), torch.zeros(1)]).float()
+    for y in (-x, -x.flip(0), torch.zeros_like(x)):
+        exact = torch.maximum(torch.expm1(x.double()), -torch.expm1(y.double()))
+        got = _zeroth(x, y).double()
+        assert (got >= exact * (1 - U32)).all()
+        bare = torch.maximum(torch.exp(x) - 1.0, 1.0 - torch.exp(y)).double()
+        assert (bare < exact * (1 - U32)).any(), "the pad must be needed somewhere (else this control tests nothing)"
+
+
 def test_read_is_attention_over_what_the_tiers_hold():
     """``attend`` = float64 softmax over tier 1 (recall slots included) and the live tier-2 entries
     as stored, and the certificate's ``out_kept`` is the same attention."""

@@ -46,7 +46,8 @@ attention over what tiers 1 and 2 hold (tier 2 as decoded). For one query ``q`` 
 3. ``|u_j,c|`` for every ``(query, entry, channel)`` would be ``O(Q x M x Dv)``; instead, for any
    reference ``r_c``, ``|u_j,c| <= |v^_j,c - r_c| + |r_c - o^_c|``, one matrix product (``r``: the
    last step's mean output, per head and channel), except for each head's ``top`` entries of
-   largest ``max_q p^_j Delta_j``, where the exact ``|v^_j,c - o^_c|`` is used.
+   largest ``max_q p^_j Delta_j``, where the exact ``|v^_j,c - o^_c|`` is used (any set of entries
+   is valid, per query even: it is chosen per block of queries, over that block).
 4. Tier 3 (:mod:`.bound` steps 1-3, boxes of the originals, so ``Delta_D = 0``):
    ``s_j <= U_b = scale (q+ . hi_b - q- . lo_b)`` (``q+ = max(q, 0)``, ``q- = max(-q, 0)``: the
    endpoint form of ``max(q_i lo_i, q_i hi_i)``, no centre/radius rounding), ``Z_D <= Z_hat =
@@ -61,7 +62,8 @@ product or sum inside a matrix product obeys the standard model ``fl(x op y) = (
 multiply-adds); float32 ``exp``, ``expm1`` and ``log`` are within ``4u`` relative of the exact
 value (libm, SLEEF and CUDA document 1-2 ulp); underflow costs at most ``2^-126`` absolute per
 term. Inputs wider than float32 (a float64 tier 1) are rounded once (relative ``u``, counted).
-Tiers 1 and 2 are read as one run of ``S`` rows.
+Tiers 1 and 2 are read as one run of ``S`` rows (each sum over them may be taken in parts: the order of
+a sum is free).
 
 a. Logits ``s_hat_j = fl(q_s . k^_j)``, ``q_s = fl(scale q)``: ``|s_hat_j - s^_j| <= e_s :=
    gamma(D + 3) A_q``, ``A_q >= sum_i |q_s,i| |k_j,i|`` for every row (``min(||q_s|| max_j ||k_j||,
@@ -81,7 +83,14 @@ d. ``P_j = E_j / S_hat`` satisfies ``|log(P_j / p^_j)| <= eta2 := e_s + e_L + ze
    a float32 sum of ``<= S`` products of non-negative factors, each computed factor at least its
    exact value times ``1 - 8u``, so ``exact <= computed e^{eta2} / ((1 - 8u)(1 - gamma(S + 2)))``
    plus ``S 2^-125 (1 + Delta_max)^2 e^{Delta_max}`` per unit weight (underflow). ``e^Delta - 1``
-   is summed with ``5u e^Delta`` added per term. The top replacement of step 3 subtracts sums:
+   is summed with ``5u e^Delta`` added per term. Step 2's ``g_j`` is computed from float32 ``exp``
+   as ``max(fl(e^x) - 1, 1 - fl(e^-y)) + 6u fl(e^x)`` (``x = Delta_j + Lam_lo``, ``y = Delta_j +
+   Lam``): ``fl(e^x) - 1`` is exact where ``fl(e^x) <= 2`` (Sterbenz) and within ``u`` relative
+   beyond, so each branch is within ``5u e^x`` of its exact value and the pad makes the sum at least
+   ``(1 - u)`` times the exact ``g_j``: no accurate ``expm1`` is assumed (a compiled one may be
+   ``exp - 1``). On tier 1 (``Delta = 0``: ``w3 = P``, ``g_j = g``) the sum ``sum_j E_j |v_j - r|``
+   is scaled by ``1 / S_hat`` (and by ``g``) once: at most two more roundings, within the
+   ``gamma(S + 2)`` of every slack sum. The top replacement of step 3 subtracts sums:
    its absolute rounding, at most ``(gamma(S) + 2 gamma(t) + 4u)`` times the relaxed sum, is
    added. ``o^`` in ``|u_j,c|`` and the gap is replaced by ``o_hat +- eps_o``.
 e. Tier 3: ``U_hat`` is one float32 product of length ``2D`` (``[q_s+, q_s-] . [hi, -lo]``):
@@ -106,6 +115,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..compiled import compile_kernel, may_compile
 from .bound import Certificate
 
 __all__ = ["U32", "gamma32", "TierHeld", "certify_tier"]
@@ -150,29 +160,102 @@ class TierHeld:
     wide: bool = False
 
 
+def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, db: Tensor, eta2: Tensor,
+             consts: Tensor) -> tuple[Tensor, ...]:
+    """One block of query rows' ``O(rows x S)`` float32 work (rounding b-d): the held attention's
+    exponentials and the slack weights, from the logits ``s1 = q_s k1^T`` (tier 1) and ``s2``
+    (tier 2), ``Delta_hat = da * db`` over tier 2 (``Delta = 0`` on tier 1). ``consts``: float64
+    ``[kappa's denominator, S 2^-125, gamma(S + 2) + 8u]``. Returns ``e1, e2`` (the exponentials), ``W [B, H, 4 rows, M]`` (tier 2's ``w1, w2,
+    w3, wg`` stacked by rows), the column maximum of ``w1`` (each entry's largest
+    ``p^_j Delta_j``) and per row: ``lse, inv`` (float64 ``1 / S_hat``), the sums of ``w1, w2,
+    w3, wg``, ``Lam, Lam_lo``, the largest ``Delta``, ``kappa``, the underflow allowance, and
+    ``g`` on tier 1 (``f32 [B, H, rows, 1]``)."""
+    f32 = torch.float32
+    s1 = s1.masked_fill(hide1, -math.inf)
+    s2 = s2.masked_fill(dead2, -math.inf)
+    mb = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))
+    seen = torch.isfinite(mb)
+    m0 = torch.where(seen, mb, 0.0)
+    e1, e2 = torch.exp(s1 - m0), torch.exp(s2 - m0)
+    sum64 = (e1.sum(-1, keepdim=True) + e2.sum(-1, keepdim=True)).double()  # S_hat: one float32 sum of S terms
+    lse = torch.where(seen, mb.double() + torch.log(sum64), -math.inf).squeeze(-1)
+    inv = torch.where(seen, 1.0 / sum64, 0.0)
+    invf = inv.to(f32)
+    p2 = e2 * invf
+    delta = da * db  # [B, H, rows, M]
+    ed = torch.exp(delta)
+    w1 = p2 * delta
+    w3 = p2 * ed
+    w2 = w1 * delta * ed
+    p1sum = (e1 * invf).sum(-1)
+    dmax = delta.amax(-1).double().clamp(min=0.0)  # tier 1's Delta = 0 is among the rows
+    w1sum, w2sum = w1.sum(-1).double(), w2.sum(-1).double()
+    w3sum = (p1sum + w3.sum(-1)).double()  # e^Delta = 1 on tier 1
+    lsum = (p2 * (ed - 1.0)).sum(-1).double()  # sum P phi(Delta), each term within 5u e^Delta P
+    kappa = torch.exp(eta2) / consts[0]
+    under = consts[1] * (1.0 + dmax) ** 2 * torch.exp(dmax)
+    lam_b = torch.log1p((lsum + 5.0 * U32 * w3sum) * kappa + under) * (1.0 + _F64)
+    lam_lo = (eta2 + consts[2] - torch.log((p1sum + (p2 / ed).sum(-1)).double())).clamp(min=0.0)
+    lam_lo = torch.minimum(lam_lo, lam_b)  # both bound -lambda
+    lo32 = (lam_lo * (1 + 8 * U32)).to(f32).unsqueeze(-1)
+    lb32 = (lam_b * (1 + 8 * U32)).to(f32).unsqueeze(-1)
+    # step 2's zeroth-order weights g_j = max(e^{Delta_j + Lam_lo} - 1, 1 - e^{-Delta_j - Lam}), from exp
+    # with a pad (rounding d; a compiled expm1 may be exp - 1)
+    g, g0 = _zeroth(delta + lo32, -delta - lb32), _zeroth(lo32, -lb32)  # g0: at Delta = 0 (tier 1)
+    wg = p2 * g
+    wgsum = (p1sum * g0.squeeze(-1) + wg.sum(-1)).double()
+    W = torch.cat([w1, w2, w3, wg], -2)
+    return (e1, e2, W, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
+            g0)
+
+
+def _zeroth(x: Tensor, y: Tensor) -> Tensor:
+    """``max(e^x - 1, 1 - e^y)`` (``x >= 0 >= y``) from float32 ``exp``, padded by ``6u fl(e^x)``:
+    at least ``(1 - u)`` times the exact value (rounding d), whichever way ``expm1`` is evaluated."""
+    ex = torch.exp(x)
+    return torch.maximum(ex - 1.0, 1.0 - torch.exp(y)) + (6.0 * U32) * ex
+
+
+#: a block of query rows holds about this many ``[rows x S]`` float32 elements per tensor (on the
+#: CPU: its tensors stay in the caches; elsewhere a larger block)
+BLOCK_ELEMENTS = 1 << 21
+#: blocks of at least this many elements take the compiled kernel on the CPU
+COMPILE_MIN = 1 << 18
+_WEIGHTS: list = []
+
+
+def _weights_kernel(x: Tensor, elements: int):
+    """:func:`_weights`, compiled where :func:`~streamkv.compiled.may_compile` allows."""
+    if may_compile(x, elements, COMPILE_MIN):
+        if not _WEIGHTS:
+            _WEIGHTS.append(compile_kernel(_weights, "certificate_weights"))
+        if _WEIGHTS[0] is not None:
+            return _WEIGHTS[0]
+    return _weights
+
+
 def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref: Tensor | None = None,
                  parts: bool = False) -> tuple[Certificate, dict | None]:
     """The certificate of queries ``q [B, H, Q, D]`` over ``held`` (see the module docstring).
-    ``top``: entries per head whose ``|u_j,c|`` is taken exactly for every query (step 3: the
-    entries of largest ``max_q p^_j Delta_j``); ``ref [B, H, 1, Dv]``: step 3's reference (any
-    value is valid; default the mean of the rows' values: a caller passes the last step's mean
-    output). With ``parts`` also what recall ranks by:
-    ``entry [B, H, Q, M]`` (each tier-2 entry's part of ``E``, rounded) and ``block3 [B, H, Q, NB]``
-    (each tier-3 block's part of the mass bound times the largest gap). Device work only, no
-    host synchronisation; every ``O(history)`` tensor float32."""
+    ``top``: entries per head whose ``|u_j,c|`` is taken exactly (step 3: the entries of largest
+    ``max_q p^_j Delta_j`` over each block of queries); ``ref [B, H, 1, Dv]``: step 3's reference
+    (any value is valid; default the mean of the rows' values: a caller passes the last step's
+    mean output). With ``parts`` also what recall ranks by: ``entry [B, H, Q, M]`` (each tier-2
+    entry's part of ``E``, rounded) and ``block3 [B, H, Q, NB]`` (each tier-3 block's part of the
+    mass bound times the largest gap). Device work only, no host synchronisation; every
+    ``O(history)`` tensor float32, and no ``[Q x history]`` one: the query rows are taken in blocks
+    (:data:`BLOCK_ELEMENTS`), each block's ``O(rows x history)`` work one fused pass
+    (:func:`_weights`, compiled on the CPU) and its matrix products."""
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
-    qs = q.to(f32) * scale  # q_s = fl(scale q)
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
+    if not S1 or not M:
+        raise ValueError(f"the certificate needs rows in both tiers, got {S1} tier-1 rows and {M} tier-2 entries")
+    qs = q.to(f32) * scale  # q_s = fl(scale q)
     Dv = held.v2.shape[-1]
     nk, nv = held.dk2.shape[-1], held.dv2.shape[-1]
-    # tiers 1 and 2 as one run of rows (tier 1: no slack), a 0 / -inf bias per (query, row)
-    k = torch.cat([held.k1.to(f32), held.k2], -2)  # [B, H, S, D]
+    k = torch.cat([held.k1.to(f32), held.k2], -2)  # [B, H, S, D]: tiers 1 and 2 as one run of rows
     v = torch.cat([held.v1.to(f32), held.v2], -2)
-    dk = torch.cat([held.dk2.new_zeros((B, H, S1, nk)), held.dk2], -2)
-    dv = torch.cat([held.dv2.new_zeros((B, H, S1, nv)), held.dv2], -2)
-    hide = torch.cat([held.hide1, (~held.live2).unsqueeze(1).expand(H, held.hide1.shape[1], M)], -1)
-    bias = torch.zeros(hide.shape, dtype=f32, device=q.device).masked_fill_(hide, -math.inf)  # [H, Q|1, S]
     S = S1 + M
     roundup = 1.0 + 4.0 * gamma32(D + 4)  # a float32 norm (a sum of <= D + 2 non-negative terms), rounded up
     # ---- magnitudes (rounding a): every row, held or not, bounds the held ones
@@ -182,78 +265,85 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
                         (qabs @ k.abs().amax(-2).unsqueeze(-1)).squeeze(-1)).double() * roundup ** 3
     e_s = gamma32(D + 3) * a_q
     zeta = 2.1 * U32 * a_q + 4.1 * U32
-    # ---- the held attention (rounding b, c): L_hat and o_hat from one exp over the S rows
     vlo_k, vhi_k = v.amin(-2).double(), v.amax(-2).double()  # [B, H, Dv]: over every row (a superset of the kept)
     ref = v.mean(-2, keepdim=True) if ref is None else ref.to(f32)  # the reference r_c [B, H, 1, Dv] (any is valid)
     vc = v - ref  # the rows centred on r (o_hat is computed as r + sum P (v - r): its rounding scales with |v - r|)
     vdev = vc.abs()  # |v_j,c - r_c| [B, H, S, Dv]
-    s = qs @ k.transpose(-1, -2) + bias  # [B, H, Q, S]
-    mb = s.amax(-1, keepdim=True)
-    seen = torch.isfinite(mb)
-    e = torch.exp(s - torch.where(seen, mb, 0.0))
-    esum = e.sum(-1, keepdim=True)
-    m64, sum64 = mb.double(), esum.double()
-    lse = torch.where(seen, m64 + torch.log(sum64), -math.inf).squeeze(-1)  # [B, H, Q] float64
-    inv = torch.where(seen, 1.0 / sum64, 0.0)  # [B, H, Q, 1]
-    out = ref.double() + (e @ vc).double() * inv  # o_hat = r + sum_j P_j (v_j - r) [B, H, Q, Dv]
     gn = gamma32(S)
     e_l = e_s + zeta + 1.01 * gn + S * _TINY + _F64
     eta = 2.0 * (e_s + zeta)
     vmax = torch.maximum(vlo_k.abs(), vhi_k.abs())
     eta2 = e_s + e_l + zeta + 4.1 * U32  # |log(P_j / p^_j)|, P_j = E_j / S_hat
-    odev = (ref.double() - out).abs()  # |r_c - o_hat_c| [B, H, Q, Dv]
     up_d = 1.0 + 2.0 * gamma32(D + 6)
-    # ---- the slack weights (rounding d): P_j, Delta_hat_j >= Delta_j, e^{Delta_j}
-    p = e * inv.to(f32)
+    # ---- the held attention and the slack weights (rounding b-d), a block of query rows at a time
+    consts = torch.tensor([(1.0 - 8.0 * U32) * (1.0 - gamma32(S + 2)), S * _TINY, gamma32(S + 2) + 8.0 * U32],
+                          dtype=f64, device=q.device)
+    k1t, k2t = k[..., :S1, :].transpose(-1, -2), k[..., S1:, :].transpose(-1, -2)
+    vcd1 = torch.cat([vc[..., :S1, :], vdev[..., :S1, :]], -1)  # tier 1's v - r and |v - r| [B, H, S1, 2 Dv]
+    vc2, vd2 = vc[..., S1:, :], vdev[..., S1:, :]
+    dead2 = (~held.live2).unsqueeze(1)  # [H, 1, M]
     if nk == 1:  # Delta_j = scale ||q||_1 dk_j
-        delta = (qabs.sum(-1, keepdim=True) * up_d) * dk.transpose(-1, -2)  # [B, H, Q, S]
-    else:  # per group (or per element)
-        delta = (qabs.reshape(B, H, Q, nk, D // nk).sum(-1) @ dk.transpose(-1, -2)) * up_d
-    ed = torch.exp(delta)
-    w1 = p * delta
-    w3 = p * ed
-    w2 = w1 * delta * ed
-    dmax = delta.amax(-1).double()  # [B, H, Q]
-    w1sum, w2sum, w3sum = w1.sum(-1).double(), w2.sum(-1).double(), w3.sum(-1).double()
-    lsum = (p * (ed - 1.0)).sum(-1).double()  # sum P phi(Delta), each term within 5u e^Delta P (counted below)
-    # every slack sum: computed weights vs exact ones (e^eta2, 1 - 8u), the float32 sums (gamma(S)),
-    # underflow (S 2^-125 per unit weight)
-    kappa = torch.exp(eta2) / ((1.0 - 8.0 * U32) * (1.0 - gamma32(S + 2)))  # [B, H, Q]
+        da, db = qabs.sum(-1, keepdim=True) * up_d, held.dk2.transpose(-1, -2)
+    else:  # per group (or per element): a product over the groups
+        qg, dkt, one = qabs.reshape(B, H, Q, nk, D // nk).sum(-1), held.dk2.transpose(-1, -2), qs.new_ones(())
+    t = min(top, M)
+    ref64 = ref.double()
+    out, rel, rel2, rel3, relg, vsl, fix1, fixg = (q.new_zeros((B, H, Q, Dv), dtype=f64) for _ in range(8))
+    rows = [q.new_empty((B, H, Q), dtype=f64) for _ in range(10)]
+    inv_all = q.new_empty((B, H, Q, 1), dtype=f64)
+    entry = q.new_empty((B, H, Q, M), dtype=f32) if parts else None
+    per_row = B * H * S
+    n_rows = max(1, (BLOCK_ELEMENTS if q.device.type == "cpu" else 64 * BLOCK_ELEMENTS) // per_row)
+    weights = _weights_kernel(qs, min(n_rows, Q) * per_row)
+    for a in range(0, Q, n_rows):
+        b = min(Q, a + n_rows)
+        n = b - a
+        qb = qs[..., a:b, :]
+        if nk == 1:
+            da_b, db_b = da[..., a:b, :], db
+        else:
+            da_b, db_b = (qg[..., a:b, :] @ dkt) * up_d, one
+        hide1 = held.hide1 if held.hide1.shape[1] == 1 else held.hide1[:, a:b]
+        e1, e2, W, colmax, *got, g0 = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b, eta2[..., a:b], consts)
+        inv = got[1]
+        inv_all[..., a:b, :] = inv
+        for dst, x in zip(rows, got[:1] + got[2:]):
+            dst[..., a:b] = x
+        y1 = e1 @ vcd1  # tier 1's sum_j E_j (v_j - r) and sum_j E_j |v_j - r| [B, H, n, 2 Dv]
+        o = ref64 + (y1[..., :Dv] + e2 @ vc2).double() * inv  # o_hat = r + sum_j P_j (v_j - r) [B, H, n, Dv]
+        out[..., a:b, :] = o
+        r1 = y1[..., Dv:] * inv.to(f32)  # tier 1's sum_j P_j |v_j - r| (w3 = P there, wg = g P)
+        R = W @ vd2  # sum_j w_j |v_j - r| over tier 2 [B, H, 4n, Dv]
+        rel[..., a:b, :] = R[..., :n, :]
+        rel2[..., a:b, :] = R[..., n:2 * n, :]
+        rel3[..., a:b, :] = R[..., 2 * n:3 * n, :] + r1
+        relg[..., a:b, :] = R[..., 3 * n:, :] + g0 * r1
+        vsl[..., a:b, :] = (W[..., 2 * n:3 * n, :] @ held.dv2).repeat_interleave(Dv // nv, dim=-1)  # P e^Delta dv
+        if t:  # step 3: this block's heaviest entries per head, their exact deviation (exact minus relaxed)
+            idx = colmax.topk(t, dim=-1).indices  # [B, H, t]
+            gidx = idx.unsqueeze(-1).expand(B, H, t, Dv)
+            vt = torch.gather(held.v2, 2, gidx).unsqueeze(2).double()  # [B, H, 1, t, Dv]
+            dt = torch.gather(vd2, 2, gidx).unsqueeze(2).double()
+            dev_t = (vt - o.unsqueeze(-2)).abs() - dt - (ref64 - o).abs().unsqueeze(-2)  # [B, H, n, t, Dv]
+            qidx = idx.unsqueeze(2).expand(B, H, n, t)
+            fix1[..., a:b, :] = (torch.gather(W[..., :n, :], 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
+            fixg[..., a:b, :] = (torch.gather(W[..., 3 * n:, :], 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
+        if parts:
+            entry[..., a:b, :] = W[..., :n, :] * vd2.amax(-1).unsqueeze(-2) \
+                + e2 * inv.to(f32) * held.dv2.amax(-1).unsqueeze(-2)
+    lse, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under = rows
+    odev = (ref64 - out).abs()  # |r_c - o_hat_c| [B, H, Q, Dv]
     kap = kappa.unsqueeze(-1)
-    under = S * _TINY * (1.0 + dmax) ** 2 * torch.exp(dmax)
     g1 = 1.0 + gamma32(S + 2) + 4.0 * U32  # a float32 product of non-negative terms, rounded up
-    # Lam = log(1 + sum p^ phi(Delta)) (step 1; e^Delta - 1 errs by at most 5u e^Delta); Lam_lo
-    lam_b = torch.log1p((lsum + 5.0 * U32 * w3sum) * kappa + under) * (1.0 + _F64)
-    lam_lo = (eta2 + gamma32(S + 2) + 8.0 * U32 - torch.log((p / ed).sum(-1).double())).clamp(min=0.0)
-    lam_lo = torch.minimum(lam_lo, lam_b)  # both bound -lambda
-    # step 2's zeroth-order weights g_j = max(e^{Delta_j + Lam_lo} - 1, 1 - e^{-Delta_j - Lam})
-    g = torch.maximum(torch.expm1(delta + (lam_lo * (1 + 8 * U32)).to(f32).unsqueeze(-1)),
-                      -torch.expm1(-delta - (lam_b * (1 + 8 * U32)).to(f32).unsqueeze(-1)))
-    wg = p * g
-    wgsum = wg.sum(-1).double()
-    rr = (torch.cat([w1, w2, w3, wg], -2) @ vdev).double()  # sum_j w_j |v_j - r| [B, H, 4Q, Dv]
-    rel, rel2, rel3, relg = rr[..., :Q, :], rr[..., Q:2 * Q, :], rr[..., 2 * Q:3 * Q, :], rr[..., 3 * Q:, :]
     # rounding c, centred: |o_hat - o^| <= (e^eta - 1 + 2.2 gamma(S) + 2u) sum_j p^_j |v_j - r| (+ u |v| wide)
     mad = kap * rel3 * g1 + S * _TINY * 2.0 * vmax.unsqueeze(-2)  # >= sum_j p^_j |v_j - r| (e^Delta >= 1)
     eps_o = mad * (torch.expm1(eta) + 2.2 * gn + 2.0 * U32).unsqueeze(-1) \
         + (U32 * vmax.unsqueeze(-2) if held.wide else 0.0) + _F64 * (out.abs() + vmax.unsqueeze(-2))
-    vsl = ((w3 @ dv) if nv > 1 else (w3 * dv.transpose(-1, -2)).sum(-1, keepdim=True)).double()
-    vsl = vsl.repeat_interleave(Dv // nv, dim=-1)  # sum_j P_j e^{Delta_j} dv_j,c
-    # step 3: the relaxed sums, each head's top entries replaced by their exact deviation
-    t = min(top, S)
+    # step 3: the relaxed sums, each block's top entries replaced by their exact deviation
     fix_w = (gamma32(S + 2) + 2.0 * gamma32(t + 2) + 4.0 * U32)
     relax1 = rel + odev * w1sum.unsqueeze(-1)
     relaxg = relg + odev * wgsum.unsqueeze(-1)
-    top1, topg = fix_w * relax1, fix_w * relaxg
-    if t:
-        idx = w1.amax(-2).topk(t, dim=-1).indices  # [B, H, t]: each head's heaviest entries
-        gidx = idx.unsqueeze(-1)
-        vt = torch.gather(v, 2, gidx.expand(B, H, t, Dv)).unsqueeze(2).double()  # [B, H, 1, t, Dv]
-        dt = torch.gather(vdev, 2, gidx.expand(B, H, t, Dv)).unsqueeze(2).double()
-        dev_t = (vt - out.unsqueeze(-2)).abs() - dt - odev.unsqueeze(-2)  # exact minus relaxed [B, H, Q, t, Dv]
-        qidx = idx.unsqueeze(2).expand(B, H, Q, t)
-        top1 = top1 + (torch.gather(w1, 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
-        topg = topg + (torch.gather(wg, 3, qidx).double().unsqueeze(-1) * dev_t).sum(-2)
+    top1, topg = fix_w * relax1 + fix1, fix_w * relaxg + fixg
     umax = torch.maximum(vhi_k.unsqueeze(-2) - out, out - vlo_k.unsqueeze(-2)).clamp(min=0.0) + eps_o  # >= |u_j,c|
     dvmax = held.dv2.amax(dim=(-2, -1)).double().view(B, H, 1, 1)
     tiny = under.unsqueeze(-1) * umax
@@ -312,8 +402,5 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
                        block_log_contrib=block3, out_error=eps_o, lse_error=e_l)
     if not parts:
         return cert, None
-    if w1 is None:
-        w1 = (e * (inv * cq.unsqueeze(-1)).to(f32)) * dk.transpose(-1, -2)
-    entry = (w1 * vdev.amax(-1).unsqueeze(-2) + e * inv.to(f32) * dv.amax(-1).unsqueeze(-2))[..., S1:]
     c3 = None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True)
     return cert, {"entry": entry, "block3": c3}
