@@ -1,5 +1,6 @@
-"""The CPU read's compiled kernels (the decode of a code block, the rotation of a key block) give
-the same values as the eager ops they fuse: bit for bit, every codec of the registry."""
+"""The CPU read's compiled kernels (the decode of a code block, the rotation of a key block, a
+causal read's masks) give the same values as the eager ops they fuse: bit for bit, every codec of
+the registry."""
 
 import pytest
 import torch
@@ -80,6 +81,31 @@ def test_compiled_rotation_equals_the_eager_ops(style, monkeypatch):
     want = rot.rotate(x.float(), cos.unsqueeze(0), sin.unsqueeze(0)).to(torch.bfloat16)
     assert torch.equal(got, want)
     assert rotary._ROTATE.get(style) is not None
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_position_masks_equal_their_definition(window, dtype, monkeypatch):
+    """A causal read's masks from one compiled pass over the positions (rows repeated per query
+    group, ``g*Q + i``): the bias is ``position_mask``'s ``-inf``, ``seen`` a row with a visible
+    key, ``drop`` a key hidden from every row; equal to those definitions, bit for bit."""
+    import streamkv.storage as storage
+
+    monkeypatch.setattr(storage, "MASK_COMPILE_MIN", 0)
+    g = torch.Generator().manual_seed(2)
+    kpos = torch.randint(-1, 40, (3, 29), generator=g)  # empty slots among them
+    qpos = torch.tensor([30, 2, 17, 0])
+    groups = 2
+    bias, seen, drop = storage.position_masks(kpos, qpos, window, groups, dtype)
+    (alone,) = storage.position_masks(kpos, qpos, window, groups, dtype, bias_only=True)
+    hidden = storage.position_mask(kpos, qpos.repeat(groups), window)  # [3, G*Q, S]
+    want = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+    assert bias.dtype == dtype and torch.equal(bias, want) and torch.equal(alone, want)
+    assert torch.equal(seen, (~hidden).any(-1, keepdim=True)) and torch.equal(drop, hidden.all(-2, keepdim=True))
+    assert seen.any() and not seen.all() and drop.any() and not drop.all()  # both kinds of row and key occur
+    assert torch.equal(storage.position_bias(kpos, qpos, dtype, window, groups), want)
+    assert {k for k, f in storage._MASKS.items() if f is not None} >= {(window is None, dtype, False),
+                                                                       (window is None, dtype, True)}
 
 
 def test_under_a_dispatch_mode_the_eager_ops_run(monkeypatch):

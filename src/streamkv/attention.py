@@ -282,17 +282,15 @@ def _sdpa(qt: Tensor, read: KVRead, seg, causal: bool, window: int | None, scale
     k, v = seg.keys, seg.values
     if read.occupancy == "prefix":
         k, v = k.narrow(-2, 0, read.visible), v.narrow(-2, 0, read.visible)
-    if causal:
-        bias = read.causal_bias(read.query_positions, qt.dtype, window)
-    else:
-        bias = read.bias(qt.dtype) if read.occupancy == "mask" else None
     heads = read.dims.heads
     ha = read.head_axis
     groups = 1 if ha is None or qt.shape[ha] == heads else qt.shape[ha] // heads
+    if causal:  # rows g*Q + i: the groups folded into the rows
+        bias = read.causal_bias(read.query_positions, qt.dtype, window, groups)
+    else:
+        bias = read.bias(qt.dtype) if read.occupancy == "mask" else None
     if groups > 1:
         qf = fold_groups(qt, heads, ha)
-        if bias is not None and bias.shape[-2] != 1:
-            bias = bias.repeat(*([1] * (bias.dim() - 2)), groups, 1)
         return unfold_groups(F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale), groups, ha)
     return F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale)
 

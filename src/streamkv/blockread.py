@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .compiled import compile_kernel, may_compile
 from .scoring import Blockwise, fold_groups, unfold_groups
-from .storage import position_mask
+from .storage import position_mask, position_masks
 from .stores import Dims, Segment
 
 __all__ = ["BlockPlan", "Statistic", "read_blocks"]
@@ -107,6 +107,28 @@ def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None, 
     if groups > 1 and hidden.shape[-2] != 1:
         hidden = hidden.repeat(1, groups, 1)
     return plan.dims.lay_out_heads(hidden)
+
+
+def _fused_masks(plan: BlockPlan, pos: Tensor, groups: int, dtype: torch.dtype, key: tuple | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's masks for the fused kernel, laid out against scores ``[..., G*Q|1, s]``: the
+    additive ``bias`` (``dtype``), ``seen [..., G*Q|1, 1]`` (the row sees a key of the block) and
+    ``drop [..., s, 1]`` (the key is hidden from every row); a causal block's in one pass over the
+    positions (:func:`~streamkv.storage.position_masks`). ``key`` names it in ``plan.memo``."""
+    if key is not None and plan.memo is not None:
+        key = ("fused", *key, groups, plan.causal, plan.window, dtype)
+        got = plan.memo.get(key)
+        if got is None:
+            got = plan.memo[key] = _fused_masks(plan, pos, groups, dtype)
+        return got
+    if plan.causal:
+        bias, seen, drop = position_masks(pos, plan.query_positions, plan.window, groups, dtype)
+    else:  # one row
+        drop = position_mask(pos)
+        bias = torch.zeros(drop.shape, dtype=dtype, device=pos.device).masked_fill_(drop, float("-inf"))
+        seen = (~drop).any(-1, keepdim=True)
+    lay = plan.dims.lay_out_heads
+    return lay(bias), lay(seen), lay(drop).transpose(-1, -2)
 
 
 def _blocks(plan: BlockPlan):
@@ -205,13 +227,20 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     o_acc: dict[int, tuple[Tensor, Tensor | None]] = {}
     for seg, a, b, key in _blocks(plan):
         fuse = _fuse(seg, fused)
-        hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, key=key)
+        hidden = masks = drop = None
+        if seg.visible and not plan.causal:
+            pass
+        elif fuse:
+            *masks, drop = _fused_masks(plan, seg.positions[:, a:b], groups, qf.dtype, key=key)
+        else:
+            hidden = _mask(plan, seg.positions[:, a:b], groups, key=key)
+            drop = hidden.all(-2, keepdim=True).transpose(-1, -2)
         # rows every query of the block hides, given as zeros (a held row hidden by causality is attended as stored)
-        drop = None if hidden is None or seg.visible or seg.finite else hidden.all(-2, keepdim=True).transpose(-1, -2)
+        drop = None if seg.visible or seg.finite else drop
         k, v = _keys(plan, seg, a, b, qf.dtype if fuse else None, drop)
         q = queries(_key_basis(plan, seg))
         if fuse:
-            o, l = _fused_block(q, k, v, hidden, plan.scale)
+            o, l = _fused_block(q, k, v, masks, plan.scale)
         else:
             o, l = _plain_block(q, k, v, hidden, plan.scale, acc_t)
         m, s_acc, w_new, w_old = _lse_merge(m, s_acc, l)
@@ -239,9 +268,10 @@ def _attend(qf: Tensor, plan: BlockPlan, groups: int) -> tuple[Tensor, Tensor, T
     return out, lse, own
 
 
-def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def _fused_block(q: Tensor, k: Tensor, v: Tensor, masks: list[Tensor] | None, scale: float) -> tuple[Tensor, Tensor]:
     """One block in the CPU fused kernel: output (float32 or float64) and log-sum-exp ``[..., Q, 1]``
-    (``-inf`` for a row that sees nothing in the block); ``hidden`` None: every row seen, no mask."""
+    (``-inf`` for a row that sees nothing in the block); ``masks``: ``(bias, seen)`` of
+    :func:`_fused_masks`, or None: every row seen, no mask."""
     lead, n, d = q.shape[:-2], q.shape[-2], q.shape[-1]
     s = k.shape[-2]
     # the kernel reads rows with unit stride only (a strided feature dim gave a wrong output, silently)
@@ -249,16 +279,15 @@ def _fused_block(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: 
     k4 = _unit_stride(k.to(q.dtype).expand(*lead, s, d).reshape(1, -1, s, d))
     v4 = _unit_stride(v.to(q.dtype).expand(*lead, s, v.shape[-1]).reshape(1, -1, s, v.shape[-1]))
     mask = None
-    if hidden is not None:
-        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-        rows = hidden.shape[-2]  # 1: the kernel broadcasts one mask row over the queries
+    if masks is not None:
+        bias, seen = masks
+        rows = bias.shape[-2]  # 1: the kernel broadcasts one mask row over the queries
         mask = bias.expand(*lead, rows, s).reshape(1, -1, rows, s)
     o, l = _FUSED_CPU(q4, k4, v4, attn_mask=mask, scale=scale)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     l = l.to(wide).reshape(*lead, n, 1)
-    if hidden is not None:
-        seen = (~hidden).any(-1, keepdim=True).expand(*lead, n, 1)  # the kernel reports lse 0 for a row it hid whole
-        l = torch.where(seen, l, torch.full_like(l, float("-inf")))
+    if masks is not None:  # the kernel reports lse 0 for a row it hid whole
+        l = torch.where(seen.expand(*lead, n, 1), l, torch.full_like(l, float("-inf")))
     return o.to(wide).reshape(*lead, n, -1), l
 
 

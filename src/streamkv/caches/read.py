@@ -238,11 +238,13 @@ class KVRead:
             return None
         return self.dims.lay_out_heads(position_bias(self.positions, None, dtype))
 
-    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32, window: int | None = None
-                    ) -> Tensor:
+    def causal_bias(self, query_positions: Tensor, dtype: torch.dtype = torch.float32, window: int | None = None,
+                    groups: int = 1) -> Tensor:
         """The bias of position-causal attention over the slots read (``[:visible]``): a query at
         position ``p`` sees the occupied slots holding positions ``<= p`` (with ``window``, only
-        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``.
-        Offered and refused as :meth:`bias`."""
+        those ``> p - window``). ``query_positions``: ``int64 [Q]``. Broadcastable against ``[..., Q, S]``
+        (``[..., G*Q, S]`` with ``groups``: grouped queries folded into the rows, row ``g*Q + i``
+        at query ``i``). Offered and refused as :meth:`bias`."""
         self._plain()
-        return self.dims.lay_out_heads(position_bias(self.positions[:, : self.visible], query_positions, dtype, window))
+        return self.dims.lay_out_heads(position_bias(self.positions[:, : self.visible], query_positions, dtype, window,
+                                                     groups))
