@@ -48,6 +48,9 @@ __all__ = ["BlockPlan", "Statistic", "read_blocks"]
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 #: elements per slice of query rows widened at a time in the statistics pass (float64: 8 MiB)
 _STAT_ELEMENTS = 1 << 20
+#: scores per slice of keys in the statistics pass (float32: 16 MiB; the C allocator reuses a block
+#: of this size, where a larger one is mapped and faulted in anew at every read)
+_STAT_SCORES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -336,17 +339,22 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         if slots is None:
             continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
-        # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory
-        st = k.to(acc) @ queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)
+        qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)  # [..., D, G*r]
         hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
-        bmax, bsum = _reduce_block(st, None if hidden is None else hidden.transpose(-1, -2), lse_t, plan.scale, H, ha,
-                                   kmax is not None, ksum is not None)
-        dest = slots[:, a:b]
-        dest = torch.where(dest >= 0, dest, S).expand(H, -1)
-        if kmax is not None:
-            kmax.scatter_reduce_(-1, dest, bmax, reduce="amax")
-        if ksum is not None:
-            ksum.scatter_add_(-1, dest, bsum)
+        # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory; a slice of
+        # keys at a time (at most _STAT_SCORES scores: the buffer is reused, not faulted in anew)
+        step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
+        for j in range(0, b - a, step):
+            j2 = min(b - a, j + step)
+            st = k[..., j:j2, :].to(acc) @ qk
+            hj = None if hidden is None else hidden[..., j:j2].transpose(-1, -2)
+            bmax, bsum = _reduce_block(st, hj, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
+            dest = slots[:, a + j:a + j2]
+            dest = torch.where(dest >= 0, dest, S).expand(H, -1)
+            if kmax is not None:
+                kmax.scatter_reduce_(-1, dest, bmax, reduce="amax")
+            if ksum is not None:
+                ksum.scatter_add_(-1, dest, bsum)
     return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])
 
 

@@ -43,6 +43,27 @@ def _int64_view(t: Tensor) -> Tensor | None:
     return t.view(torch.long)
 
 
+def put_rows(rows: Tensor, slots: Tensor, heads: Tensor, x: Tensor) -> None:
+    """``rows[slots, heads] = x`` for a layer's rows view ``[T, H, *rest, D]`` and ``slots, heads,
+    x[:2]`` of shape ``[n, H]`` (distinct pairs): one ``index_copy_`` over the (slot, head) rows
+    flattened, as int64 words where the rows split into them (the CPU's copy of a row is then a
+    few word moves), where the view allows; else ``index_put_``."""
+    T, H = rows.shape[:2]
+    flat = None
+    if not torch.compiler.is_compiling() and rows.stride(0) == H * rows.stride(1):
+        flat = rows.reshape(T * H, *rows.shape[2:])  # a view (the strides merge)
+    if flat is None:
+        rows.index_put_((slots, heads), x)
+        return
+    idx = (slots * H + heads).reshape(-1)
+    src = x.reshape(-1, *x.shape[2:])
+    fw, sw = _int64_view(flat), _int64_view(src)
+    if fw is not None and sw is not None:
+        fw.index_copy_(0, idx, sw)
+    else:
+        flat.index_copy_(0, idx, src)
+
+
 class DenseStore(Store):
     """Dense K/V buffers (see the module docstring). ``buffers``: preallocated ``(K, V)`` of the
     full shapes (a :class:`~streamkv.caches.CacheSet` passes views of one allocation)."""
@@ -155,9 +176,9 @@ class DenseStore(Store):
             plan = self.rows_of(plan)
         if torch.compiler.is_compiling() and self._write_traced_per_head(layer, k, v, plan):
             return
-        idx = (plan.transpose(0, 1), self._heads_idx[:n])  # [n, H] each
-        d.rows(keys).index_put_(idx, d.rows(k))
-        d.rows(values).index_put_(idx, d.rows(v))
+        slots, heads = plan.transpose(0, 1), self._heads_idx[:n]  # [n, H] each
+        put_rows(d.rows(keys), slots, heads, d.rows(k))
+        put_rows(d.rows(values), slots, heads, d.rows(v))
 
     def _host_ranges(self, where: WritePlan, n: int, k: Tensor) -> tuple[tuple[int, int], ...] | None:
         """``where.ranges`` when this write may use them: eager (not traced by ``torch.compile``,

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .base import Segment, Store, WritePlan
 from .codecs import KVQuant, hadamard
+from .dense import put_rows
 from .dims import Dims
 from .pages import PageTable
 
@@ -294,7 +295,7 @@ class QuantStore(Store):
                 heads = self._heads_idx.expand(m, -1)
                 for layer in range(self.num_layers):
                     for buf, x in pairs:
-                        d.rows(buf[layer]).index_put_((idx[layer].transpose(0, 1), heads), d.rows(x[layer]))
+                        put_rows(d.rows(buf[layer]), idx[layer].transpose(0, 1), heads, d.rows(x[layer]))
 
     def _encode(self, which: str, x: Tensor) -> tuple[Tensor, Tensor | None]:
         fmt, g, r = (self.kf, self.gk, self.rk) if which == "k" else (self.vf, self.gv, self.rv)
