@@ -237,11 +237,13 @@ class ScoredPolicy(SlotPolicy):
             plan = plan.clone()
             if n_sink:
                 plan[..., :n_sink] = pos[:n_sink]
-            if n_win:
-                win = st.positions[..., S : st.capacity]  # [L, H, W]
-                w = win.shape[-1]
-                key = torch.where(win < 0, self._window_idx - S, self._window_idx - S + w)
-                plan[..., n_sink:] = key.topk(n_win, dim=-1, largest=False, sorted=True).indices + S
+            if n_win:  # each window slot's rank: the free ones by index, then the held ones by index
+                free = st.positions[..., S : st.capacity] < 0  # [L, H, W]
+                n_free = free.sum(-1, keepdim=True)
+                rank = torch.where(free, free.cumsum(-1), n_free + (~free).cumsum(-1)) - 1
+                dest = torch.where(rank < n_win, rank, n_win)  # the first n_win ranks; the rest into a spare column
+                got = torch.empty((*free.shape[:-1], n_win + 1), dtype=torch.long, device=free.device)
+                plan[..., n_sink:] = got.scatter_(-1, dest, self._window_idx.expand_as(dest))[..., :n_win]
 
         def apply() -> None:
             if advance:
