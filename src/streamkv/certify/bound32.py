@@ -97,6 +97,17 @@ e. Tier 3: ``U_hat`` is one float32 product of length ``2D`` (``[q_s+, q_s-] . [
    ``|U_hat_b - U_b| <= gamma(2D + 3) A3_q``; its log-sum-exp with ``log n_b`` errs as in b, plus
    ``4u log n``. ``log m'`` is finished in float64 from ``log Z_hat + margin`` and
    ``L_hat - e_L - Lam_lo`` (``x -> x - logaddexp(y, x)`` increases in ``x``, decreases in ``y``).
+f. On the CPU the slack sums of (d) over tier 2 (``sum_j w_j |v_j - r|`` for ``w1, w2, w3, g``,
+   ``sum_j P_j e^Delta_j dv_j``) and tier 1's ``sum_j P_j |v_j - r|`` are products of bfloat16
+   factors (each factor rounded to nearest: ``>= (1 - 2^-8)`` times its float32 value), accumulated
+   in float32 (the products of two bfloat16 numbers are exact there; the same ``gamma`` as (d)),
+   the result rounded to bfloat16, then multiplied by ``1.0119 >= 1 / (1 - 2^-8)^3`` (with room for
+   that product's rounding): each term of the inflated sum is at least the term of float32 factors,
+   so every statement of (d) holds of it, and step 3's exact terms (float32 factors) are subtracted
+   from a sum that holds them. Underflow: ``2^-134`` absolute per bfloat16 factor and result,
+   ``S 2^-125 (2 max|v| + the weights' sum + 1)`` added. Elsewhere (CUDA: a bfloat16 product may
+   reduce in bfloat16) these sums stay float32. Every float32 product assumes IEEE float32
+   arithmetic: ``torch.get_float32_matmul_precision()`` other than ``"highest"`` is refused.
 
 The margin ``eps_o`` is about ``4 (D + 3) u A_q`` times the mean ``|v - r|``: ``~1e-4`` of it for
 ``A_q ~ 30``, ``D = 64``; beside a quantisation slack it is small, but where the truth is at the
@@ -126,6 +137,11 @@ U32 = 2.0**-24
 EXP_REL = 4.0 * U32
 _TINY = 2.0**-125  # underflow allowance per term (2^-126 absolute, doubled)
 _F64 = 2.0**-40  # float64 finishing (each op 2^-53 relative; a few hundred ops at most)
+#: rounding f: a slack sum of bfloat16 factors, its result rounded to bfloat16, is multiplied by this
+#: (>= 1 / (1 - 2^-8)^3 = 1.011812, with room for the float32 product's own rounding)
+INFLATE = 1.0119
+#: take the slack sums in bfloat16 products on the CPU (rounding f; 2.8x the float32 products there)
+BF16_SLACK = True
 
 
 def gamma32(n: float | Tensor):
@@ -161,11 +177,12 @@ class TierHeld:
 
 
 def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, db: Tensor, eta2: Tensor,
-             consts: Tensor) -> tuple[Tensor, ...]:
+             consts: Tensor, low: bool) -> tuple[Tensor | None, ...]:
     """One block of query rows' ``O(rows x S)`` float32 work (rounding b-d): the held attention's
     exponentials and the slack weights, from the logits ``s1 = q_s k1^T`` (tier 1) and ``s2``
     (tier 2), ``Delta_hat = da * db`` over tier 2 (``Delta = 0`` on tier 1). ``consts``: float64
-    ``[kappa's denominator, S 2^-125, gamma(S + 2) + 8u]``. Returns ``e1, e2`` (the exponentials), ``W [B, H, 4 rows, M]`` (tier 2's ``w1, w2,
+    ``[kappa's denominator, S 2^-125, gamma(S + 2) + 8u]``. Returns ``e1, e2`` (the exponentials),
+    with ``low`` ``W`` and tier 1's weights ``P`` in bfloat16 (else None, None), ``W [B, H, 4 rows, M]`` (tier 2's ``w1, w2,
     w3, wg`` stacked by rows), the column maximum of ``w1`` (each entry's largest
     ``p^_j Delta_j``) and per row: ``lse, inv`` (float64 ``1 / S_hat``), the sums of ``w1, w2,
     w3, wg``, ``Lam, Lam_lo``, the largest ``Delta``, ``kappa``, the underflow allowance, and
@@ -187,7 +204,8 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     w1 = p2 * delta
     w3 = p2 * ed
     w2 = w1 * delta * ed
-    p1sum = (e1 * invf).sum(-1)
+    p1 = e1 * invf
+    p1sum = p1.sum(-1)
     dmax = delta.amax(-1).double().clamp(min=0.0)  # tier 1's Delta = 0 is among the rows
     w1sum, w2sum = w1.sum(-1).double(), w2.sum(-1).double()
     w3sum = (p1sum + w3.sum(-1)).double()  # e^Delta = 1 on tier 1
@@ -205,7 +223,8 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     wg = p2 * g
     wgsum = (p1sum * g0.squeeze(-1) + wg.sum(-1)).double()
     W = torch.cat([w1, w2, w3, wg], -2)
-    return (e1, e2, W, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
+    low_p = (W.to(torch.bfloat16), p1.to(torch.bfloat16)) if low else (None, None)
+    return (e1, e2, W, *low_p, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
             g0)
 
 
@@ -249,6 +268,10 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
+    if torch.get_float32_matmul_precision() != "highest":
+        raise ValueError(f"the float32 certificate assumes IEEE float32 matrix products, and "
+                         f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r} "
+                         f"(TF32 or bfloat16 inside them): set it to 'highest' for the certified steps")
     if not S1 or not M:
         raise ValueError(f"the certificate needs rows in both tiers, got {S1} tier-1 rows and {M} tier-2 entries")
     qs = q.to(f32) * scale  # q_s = fl(scale q)
@@ -279,8 +302,10 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     consts = torch.tensor([(1.0 - 8.0 * U32) * (1.0 - gamma32(S + 2)), S * _TINY, gamma32(S + 2) + 8.0 * U32],
                           dtype=f64, device=q.device)
     k1t, k2t = k[..., :S1, :].transpose(-1, -2), k[..., S1:, :].transpose(-1, -2)
-    vcd1 = torch.cat([vc[..., :S1, :], vdev[..., :S1, :]], -1)  # tier 1's v - r and |v - r| [B, H, S1, 2 Dv]
-    vc2, vd2 = vc[..., S1:, :], vdev[..., S1:, :]
+    vc1, vc2, vd1, vd2 = vc[..., :S1, :], vc[..., S1:, :], vdev[..., :S1, :], vdev[..., S1:, :]
+    low = BF16_SLACK and q.device.type == "cpu"  # the slack sums in bfloat16 products (rounding f)
+    bf = torch.bfloat16
+    vd1b, vd2b, dv2b = (vd1.to(bf), vd2.to(bf), held.dv2.to(bf)) if low else (vd1, vd2, held.dv2)
     dead2 = (~held.live2).unsqueeze(1)  # [H, 1, M]
     if nk == 1:  # Delta_j = scale ||q||_1 dk_j
         da, db = qabs.sum(-1, keepdim=True) * up_d, held.dk2.transpose(-1, -2)
@@ -304,21 +329,27 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
         else:
             da_b, db_b = (qg[..., a:b, :] @ dkt) * up_d, one
         hide1 = held.hide1 if held.hide1.shape[1] == 1 else held.hide1[:, a:b]
-        e1, e2, W, colmax, *got, g0 = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b, eta2[..., a:b], consts)
+        e1, e2, W, Wb, p1b, colmax, *got, g0 = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b,
+                                                       eta2[..., a:b], consts, low)
         inv = got[1]
         inv_all[..., a:b, :] = inv
         for dst, x in zip(rows, got[:1] + got[2:]):
             dst[..., a:b] = x
-        y1 = e1 @ vcd1  # tier 1's sum_j E_j (v_j - r) and sum_j E_j |v_j - r| [B, H, n, 2 Dv]
-        o = ref64 + (y1[..., :Dv] + e2 @ vc2).double() * inv  # o_hat = r + sum_j P_j (v_j - r) [B, H, n, Dv]
+        o = ref64 + (e1 @ vc1 + e2 @ vc2).double() * inv  # o_hat = r + sum_j P_j (v_j - r) [B, H, n, Dv]
         out[..., a:b, :] = o
-        r1 = y1[..., Dv:] * inv.to(f32)  # tier 1's sum_j P_j |v_j - r| (w3 = P there, wg = g P)
-        R = W @ vd2  # sum_j w_j |v_j - r| over tier 2 [B, H, 4n, Dv]
+        if low:  # rounding f: bfloat16 factors and result, inflated
+            r1 = (p1b @ vd1b).float() * INFLATE  # tier 1's sum_j P_j |v_j - r| (w3 = P there, wg = g P)
+            R = (Wb @ vd2b).float() * INFLATE  # sum_j w_j |v_j - r| over tier 2 [B, H, 4n, Dv]
+            vs = (Wb[..., 2 * n:3 * n, :] @ dv2b).float() * INFLATE
+        else:
+            r1 = (e1 * inv.to(f32)) @ vd1
+            R = W @ vd2
+            vs = W[..., 2 * n:3 * n, :] @ held.dv2
         rel[..., a:b, :] = R[..., :n, :]
         rel2[..., a:b, :] = R[..., n:2 * n, :]
         rel3[..., a:b, :] = R[..., 2 * n:3 * n, :] + r1
         relg[..., a:b, :] = R[..., 3 * n:, :] + g0 * r1
-        vsl[..., a:b, :] = (W[..., 2 * n:3 * n, :] @ held.dv2).repeat_interleave(Dv // nv, dim=-1)  # P e^Delta dv
+        vsl[..., a:b, :] = vs.repeat_interleave(Dv // nv, dim=-1)  # sum_j P_j e^Delta_j dv_j
         if t:  # step 3: this block's heaviest entries per head, their exact deviation (exact minus relaxed)
             idx = colmax.topk(t, dim=-1).indices  # [B, H, t]
             gidx = idx.unsqueeze(-1).expand(B, H, t, Dv)
@@ -332,6 +363,11 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
             entry[..., a:b, :] = W[..., :n, :] * vd2.amax(-1).unsqueeze(-2) \
                 + e2 * inv.to(f32) * held.dv2.amax(-1).unsqueeze(-2)
     lse, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under = rows
+    if low:  # rounding f's underflow: bfloat16 subnormals, 2^-134 absolute per factor and result
+        floor = _TINY * (S * 2.0 * vmax.unsqueeze(-2) + 1.0)
+        for x, wsum in ((rel, w1sum), (rel2, w2sum), (rel3, w3sum), (relg, wgsum)):
+            x += floor + _TINY * S * wsum.unsqueeze(-1)
+        vsl += _TINY * (S * held.dv2.amax(dim=(-2, -1)).double().view(B, H, 1, 1) + S * w3sum.unsqueeze(-1) + 1.0)
     odev = (ref64 - out).abs()  # |r_c - o_hat_c| [B, H, Q, Dv]
     kap = kappa.unsqueeze(-1)
     g1 = 1.0 + gamma32(S + 2) + 4.0 * U32  # a float32 product of non-negative terms, rounded up
