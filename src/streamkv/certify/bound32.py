@@ -115,7 +115,8 @@ float level (nothing evicted) it *is* the certificate. Scope: as :mod:`.quant_bo
 inputs, finite stored values; a non-finite input gives the trivial mass bound and an infinite
 error bound).
 
-Why this long: it holds the proof of the float32 certificate and its rounding margin.
+Why one module: it holds the proof of the float32 certificate and its rounding margin next to the code
+the proof is about (the code's comments name the step or rounding each part computes).
 """
 
 from __future__ import annotations
