@@ -396,3 +396,25 @@ def test_a_ring_reads_no_code_row_its_open_span_shadows(monkeypatch):
     cache.commit_chunk(5)  # the loaded state's open chunk
     cache.begin_chunk(6)
     assert store._code_runs(WINDOW) == [(0, WINDOW)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_put_rows_equals_index_put(dtype, head_major):
+    """A per-head plan's write (one ``index_copy_`` over the flattened (slot, head) rows, as int64
+    words where they fit; ``index_put_`` where the strides do not merge) writes exactly the pairs
+    ``index_put_`` writes, and nothing else."""
+    from streamkv.stores.dense import put_rows
+
+    g = torch.Generator().manual_seed(3)
+    T, H, B, D, n = 23, 3, 2, 8, 7
+    shape = (B, H, T, D) if head_major else (B, T, H, D)
+    buf = torch.randn(shape, generator=g).to(dtype)
+    rows = buf.permute(2, 1, 0, 3) if head_major else buf.permute(1, 2, 0, 3)  # [T, H, B, D] views
+    x = torch.randn(n, H, B, D, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(T, generator=g)[:n] for _ in range(H)], 1)  # [n, H], distinct per head
+    heads = torch.arange(H).expand(n, H)
+    want = rows.clone()
+    want.index_put_((slots, heads), x)
+    put_rows(rows, slots, heads, x)
+    assert torch.equal(rows, want)

@@ -51,7 +51,7 @@ def put_rows(rows: Tensor, slots: Tensor, heads: Tensor, x: Tensor) -> None:
     T, H = rows.shape[:2]
     flat = None
     if not torch.compiler.is_compiling() and rows.stride(0) == H * rows.stride(1):
-        flat = rows.reshape(T * H, *rows.shape[2:])  # a view (the strides merge)
+        flat = rows.view(T * H, *rows.shape[2:])  # the strides merge: a view (never a copy)
     if flat is None:
         rows.index_put_((slots, heads), x)
         return
