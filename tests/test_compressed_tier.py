@@ -182,6 +182,31 @@ def test_certificate_refuses_reduced_precision_float32_products():
     assert certify_tier(qh, held, scale=tier.scale)[0].error.isfinite().all()
 
 
+def test_reduced_precision_is_refused_at_begin_before_any_write():
+    """A certifying tier refuses the span at ``begin``: nothing reserved, nothing written."""
+    q, k, v = _stream(T=4 * C)
+    cache, tier = _build("tova", "int8", recall=0)  # no recall slots: the state dict holds everything
+    for c in range(2):
+        cache.begin_tokens(C)
+        cache.layer(0).update(k[:, c * C:(c + 1) * C], v[:, c * C:(c + 1) * C], q[:, c * C:(c + 1) * C])
+        cache.commit()
+    before_state = {n: t.clone() for n, t in cache.state_dict().items() if isinstance(t, torch.Tensor)}
+    before_span, before_count = cache.open_span, tier.count
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        with pytest.raises(ValueError, match="get_float32_matmul_precision.*'high'"):
+            cache.begin_tokens(C)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    after = cache.state_dict()
+    assert cache.open_span == before_span and tier.count == before_count
+    assert all(torch.equal(t, after[n]) for n, t in before_state.items())
+    cache.begin_tokens(C)  # the same step, at 'highest'
+    cache.layer(0).update(k[:, 2 * C:3 * C], v[:, 2 * C:3 * C], q[:, 2 * C:3 * C])
+    assert tier.last[0] is not None and tier.last[0].error.isfinite().all()
+
+
 def test_zeroth_order_weight_from_exp_is_not_below_expm1():
     """Step 2's ``g_j`` from float32 ``exp`` (no accurate ``expm1`` assumed: a compiled one is
     ``exp - 1``) is at least ``(1 - u)`` times the float64 value, down to tiny arguments; without

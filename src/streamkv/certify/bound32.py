@@ -130,7 +130,7 @@ from torch import Tensor
 from ..compiled import compile_kernel, may_compile
 from .bound import Certificate
 
-__all__ = ["U32", "gamma32", "TierHeld", "certify_tier"]
+__all__ = ["U32", "gamma32", "TierHeld", "certify_tier", "check_precision"]
 
 #: unit roundoff of float32 (round to nearest)
 U32 = 2.0**-24
@@ -254,6 +254,14 @@ def _weights_kernel(x: Tensor, elements: int):
     return _weights
 
 
+def check_precision() -> None:
+    """Refuse float32 matrix products that are not IEEE float32 (rounding f's assumption)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        raise ValueError(f"the float32 certificate assumes IEEE float32 matrix products, and "
+                         f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r} "
+                         f"(TF32 or bfloat16 inside them): set it to 'highest' for the certified steps")
+
+
 def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref: Tensor | None = None,
                  parts: bool = False) -> tuple[Certificate, dict | None]:
     """The certificate of queries ``q [B, H, Q, D]`` over ``held`` (see the module docstring).
@@ -269,10 +277,7 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
-    if torch.get_float32_matmul_precision() != "highest":
-        raise ValueError(f"the float32 certificate assumes IEEE float32 matrix products, and "
-                         f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r} "
-                         f"(TF32 or bfloat16 inside them): set it to 'highest' for the certified steps")
+    check_precision()
     if not S1 or not M:
         raise ValueError(f"the certificate needs rows in both tiers, got {S1} tier-1 rows and {M} tier-2 entries")
     qs = q.to(f32) * scale  # q_s = fl(scale q)

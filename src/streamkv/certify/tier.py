@@ -45,7 +45,8 @@ Refused with the reason: a cache that is not ``[B, T, H, D]`` (rank 4, seq_dim 1
 quantised storage (tier 1 is the full-precision tier), a cache that has already evicted,
 recall slots without ``recall_tau`` or ``recall_tau`` without recall slots (fewer than a block),
 recall without certificates, a second recall owner, a state-dict load, a capacity that is not a
-positive multiple of ``block``. Scope: eager, RoPE at write, the identity basis.
+positive multiple of ``block``; a span begun while a certifying tier would compute its
+certificate with float32 products below ``"highest"`` precision (refused at ``begin``, before any write). Scope: eager, RoPE at write, the identity basis.
 
 Why one module: the observer hooks, the certificate's inputs and recall share one piece of
 state, the per-(layer, head) entry, block and recall-slot bookkeeping.
@@ -69,7 +70,7 @@ from ..stores import Segment
 from ..stores.codecs import IntCodec
 from ..validate import check_int, check_real
 from .bound import Certificate
-from .bound32 import TierHeld, certify_tier
+from .bound32 import TierHeld, certify_tier, check_precision
 from .certifier import check_reopen, claim_unevicted, release
 
 __all__ = ["CompressedTier"]
@@ -260,6 +261,8 @@ class CompressedTier(CacheObserver):
         if self.broken is not None:
             raise RuntimeError(f"this cache's compressed tier cannot be trusted ({self.broken}): reset the cache")
         check_reopen(self, change)
+        if change.what == "begin" and self.certifies:
+            check_precision()  # before the span's writes: a refused step changes nothing
         if change.eviction is not None:
             captured = self._capture(change.eviction)
             return lambda: self._record(captured)
