@@ -51,6 +51,8 @@ def _statistics_path(slices, monkeypatch):
 
     if slices == "row by row":
         monkeypatch.setattr(br, "_STAT_ELEMENTS", 1)
+    elif slices == "key pairs":  # scores of two keys at a time (B x H x 5 queries each) in one reused buffer
+        monkeypatch.setattr(br, "_STAT_SCORES", 2 * B * H * 5)
     elif slices == "compiled":
         monkeypatch.setattr(br, "COMPILE_MIN", 0)
         real = br._block_statistics
@@ -65,10 +67,10 @@ def _statistics_path(slices, monkeypatch):
 @pytest.mark.parametrize("cuts", [[], [1], [3, 4], [2, 5, 9]])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("variant", ["plain", "basis", "slot_maps", "value_dim"])
-@pytest.mark.parametrize("slices", ["whole", "row by row", "compiled"])
+@pytest.mark.parametrize("slices", ["whole", "row by row", "key pairs", "compiled"])
 def test_block_read_equals_whole_rows(cuts, causal, variant, slices, monkeypatch):
     """The block loop = whole-row attention (outputs, log-sum-exps, statistics), its statistics pass
-    reducing every key at once, a key at a time, or in its compiled kernel (the CPU's for large blocks)."""
+    reducing every key at once, a key at a time, scoring two keys at a time, or in its compiled kernel (the CPU's for large blocks)."""
     _statistics_path(slices, monkeypatch)
     g = torch.Generator().manual_seed(len(cuts) * 4 + causal * 2 + len(variant))
     S, Q = 12, 5

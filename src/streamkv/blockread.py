@@ -334,6 +334,7 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     lse_t = lse_rows.unsqueeze(-2).to(acc)  # [..., 1, G*r]
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
+    scratch = None  # the slices' scores, one buffer for the pass
     for seg, a, b, key in _blocks(plan):
         slots = seg.slot_index()
         if slots is None:
@@ -346,7 +347,7 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
         for j in range(0, b - a, step):
             j2 = min(b - a, j + step)
-            st = k[..., j:j2, :].to(acc) @ qk
+            st, scratch = _scores(k[..., j:j2, :].to(acc), qk, scratch)
             hj = None if hidden is None else hidden[..., j:j2].transpose(-1, -2)
             bmax, bsum = _reduce_block(st, hj, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
             dest = slots[:, a + j:a + j2]
@@ -356,6 +357,18 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
             if ksum is not None:
                 ksum.scatter_add_(-1, dest, bsum)
     return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])
+
+
+def _scores(k: Tensor, qk: Tensor, scratch: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``k @ qk`` into ``scratch`` where it can be (grown as needed; eager, no autograd): a fresh
+    buffer of a few MB is mapped and faulted in anew at every slice, at about 3 GB/s on a CPU."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (k.requires_grad or qk.requires_grad)):
+        return k @ qk, scratch
+    shape = (*torch.broadcast_shapes(k.shape[:-2], qk.shape[:-2]), k.shape[-2], qk.shape[-1])
+    n = math.prod(shape)
+    if scratch is None or scratch.numel() < n or scratch.dtype != k.dtype:
+        scratch = torch.empty(n, dtype=k.dtype, device=k.device)
+    return torch.matmul(k, qk, out=scratch[:n].view(shape)), scratch
 
 
 def _block_statistics(st: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int, ha: int | None,
