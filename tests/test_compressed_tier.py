@@ -292,6 +292,19 @@ def test_recall_bytes_are_the_copied_tokens():
     assert evicted == H * q.shape[1] - int((cache.storage.layer_positions(0)[:, : cache.storage.capacity] >= 0).sum())
 
 
+def test_without_recall_nothing_is_kept_on_the_host():
+    """Only recall reads the host copy: a tier without ``recall_tau`` keeps none (no copy of the
+    evicted K/V to the host, no host buffer growing with the stream); with recall it keeps every
+    evicted token."""
+    q, k, v = _stream(seed=2)
+    for recall in (0, RECALL):
+        cache, tier = _build(recall=recall)
+        _run(cache, tier, q, k, v, lambda a, b, out: None)
+        assert sum(tier.count[0]) > 0 and tier.frontier[0] != [0] * H  # evicted, and past tier 2's ring
+        held = sum(t.numel() for t in (tier._hk[0], tier._hv[0], tier._hp[0]))
+        assert (held > 0, tier.host_bytes > 0) == (bool(recall), bool(recall))
+
+
 def test_float32_margin_is_needed():
     """Before anything is evicted the certificate is its float32 rounding margin alone: it covers
     the distance between its float32 output and float64 full attention, and without the margin

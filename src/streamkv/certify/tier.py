@@ -17,12 +17,14 @@ Per (layer, head):
 3. **beyond the horizon**: tokens pushed out of tier 2, a block (``block`` consecutive entries)
    at a time: the box of the block's original keys (from the codes being overwritten,
    ``[k^ - dk, k^ + dk]`` rounded outward: no host read) and its count; bounded, not attended.
-4. **host**: every evicted token's original K/V; entry ``e`` of a head is its ``e``-th evicted
-   token (block ``b`` = entries ``[b * block, (b + 1) * block)``), in one growing buffer per layer.
+4. **host** (with ``recall_tau`` only: what recall copies back): every evicted token's original
+   K/V; entry ``e`` of a head is its ``e``-th evicted token (block ``b`` = entries
+   ``[b * block, (b + 1) * block)``), in one growing buffer per layer.
 
 Everything per eviction is a few tensor operations per layer over all heads (no loop over heads
-but a host-side dict check of recalled blocks when recall is on); the host copy needs host
-indices, so a commit reads its evictions' heads once per layer (the commit synchronises anyway).
+but a host-side dict check of recalled blocks when recall is on); the entry bookkeeping keeps
+host counts, so a commit that evicts reads its evictions' (layer, head, position) triples back
+once, and with recall their K/V too (the host copy): a tier is outside a captured commit.
 
 **The certificate** (per query, against full-history attention over the original K/V) is
 :mod:`.bound32`'s: float32 over tiers 1 and 2 with a proven outward margin, the first-order
@@ -227,7 +229,10 @@ class CompressedTier(CacheObserver):
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes of the evicted originals held (K, V and an int64 position per entry)."""
+        """Host bytes of the evicted originals held for recall (K, V and an int64 position per entry;
+        0 without ``recall_tau``: nothing would read them)."""
+        if self.recall_tau is None:
+            return 0
         n = int(self._count.sum())
         return n * (self.B * (self.D + self.Dv) * self._hk[0].element_size() + 8)
 
@@ -309,6 +314,8 @@ class CompressedTier(CacheObserver):
                 parts.append((layer, sl, st.head_view("k", layer)[hh[sl], :, ss[sl]],
                               st.head_view("v", layer)[hh[sl], :, ss[sl]]))
             a += c
+        if self.recall_tau is None:  # nothing reads a host copy: none is made
+            return [(layer, hh[sl], pos[sl], k, v, (hh_c[sl], pos_c[sl], None, None)) for layer, sl, k, v in parts]
         ks = torch.cat([k.flatten(1) for _, _, k, _ in parts])
         kv_c = torch.cat([ks, torch.cat([v.flatten(1) for _, _, _, v in parts])], 1).cpu()
         out, a = [], 0
@@ -368,7 +375,8 @@ class CompressedTier(CacheObserver):
                 host: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
         """Append the evicted tokens of ``layer`` (sorted by head, then position) to every head at once:
         host copy, tier-3 boxes of the blocks pushed out of the ring, tier-2 codes, masks. ``host``:
-        ``hh``, ``pos``, ``k``, ``v`` copied to the host (by :meth:`_capture`)."""
+        ``hh``, ``pos``, ``k``, ``v`` copied to the host by :meth:`_capture` (``k``, ``v`` None: no recall
+        reads them, none is kept)."""
         H, M, blk, dev = self.H, self.M, self.block, self.k_codes.device
         n = hh.numel()
         hh_c, pos_c, k_c, v_c = host
@@ -381,10 +389,11 @@ class CompressedTier(CacheObserver):
                 self._release(layer, h, b)
         start = torch.cumsum(cn, 0) - cn
         e_c = c_old[hh_c] + torch.arange(n) - start[hh_c]  # the entry id of every row (host)
-        self._grow_host(layer, int(c_new.max()))
-        self._hk[layer][hh_c, e_c] = k_c.to(self._hk[layer].dtype)
-        self._hv[layer][hh_c, e_c] = v_c.to(self._hv[layer].dtype)
-        self._hp[layer][hh_c, e_c] = pos_c
+        if k_c is not None:  # the host copy recall reads
+            self._grow_host(layer, int(c_new.max()))
+            self._hk[layer][hh_c, e_c] = k_c.to(self._hk[layer].dtype)
+            self._hv[layer][hh_c, e_c] = v_c.to(self._hv[layer].dtype)
+            self._hp[layer][hh_c, e_c] = pos_c
         f_old = self._front[layer].clone()
         f_new = torch.maximum(f_old, torch.where(c_new > M, -torch.div(M - c_new, blk, rounding_mode="floor"), 0))
         e = e_c.to(dev)
