@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.streamkv-installed
 OUT    ?= out
+# test processes: the suite sets one intra-op thread per process, so two use a 2-core machine
+# (each test file runs whole in one process: its module-scoped state as in a serial run)
+JOBS   ?= 2
 
 .PHONY: demo test venv clean
 
@@ -29,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/streamkv demo --out $(OUT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .hypothesis

@@ -56,7 +56,7 @@ def test_demo_json_holds_every_number_the_table_printed(demo_run):
     assert all(c["device_bytes"] <= 1.1 * budget for n, c in q.items() if n != "full")  # a quarter, all of them
     assert f"{q['tova']['error_mean']:.3g}" in printed and f"{q['full']['error_mean']:.3g}" in printed
     assert doc["fork"]["max_abs_diff_vs_unforked"] == 0 and len(doc["fork"]["branches"]) == 2
-    assert f"the demo took {doc['wall_s']:.1f} s" in printed
+    assert f"the demo took {doc['wall_s']:.1f} s" in " ".join(printed.split())  # the console wraps long paths
 
 
 def test_demo_writes_the_figure_and_the_fork_video(demo_run):
