@@ -136,8 +136,10 @@ def test_blocked_compiled_certificate(fmt, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_bfloat16_slack_sums_are_sound_and_near_the_float32_ones(fmt, monkeypatch):
-    """The CPU's slack sums in bfloat16 products (rounding f, inflated): never below the float64
-    truth, and at most a few percent above the certificate whose slack sums are float32 products."""
+    """The CPU's slack sums in bfloat16 products (rounding f, inflated; taken where the CPU multiplies
+    bfloat16 natively, and run here whatever this CPU is): never below the float64 truth, and at most
+    a few percent above the certificate whose slack sums are float32 products; a CPU without native
+    bfloat16 products gets the float32 certificate."""
     from streamkv.certify import bound32
 
     q, k, v = _stream(seed=4)
@@ -150,9 +152,14 @@ def test_bfloat16_slack_sums_are_sound_and_near_the_float32_ones(fmt, monkeypatc
         got = {}
         for low in (True, False):
             monkeypatch.setattr(bound32, "BF16_SLACK", low)
+            monkeypatch.setattr(bound32, "bf16_products_fast", lambda: True)
             got[low], _ = bound32.certify_tier(qh, held, scale=tier.scale, top=tier.top)
             assert ((full - got[low].out_kept).abs() <= got[low].error).all(), f"{fmt} low={low}: below the truth"
         ratios.append((got[True].error / got[False].error).flatten())
+        monkeypatch.setattr(bound32, "BF16_SLACK", True)
+        monkeypatch.setattr(bound32, "bf16_products_fast", lambda: False)
+        emulated, _ = bound32.certify_tier(qh, held, scale=tier.scale, top=tier.top)
+        assert torch.equal(emulated.error, got[False].error)
 
     _run(cache, tier, q, k, v, each)
     r = torch.cat(ratios)

@@ -59,7 +59,9 @@ def environment(device: Any = None) -> dict[str, Any]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"{_cpu_name()} ({os.cpu_count()} logical CPUs)"
+        # the vector ISA torch dispatches to: timings differ across it (bfloat16 products are native
+        # with AVX512-BF16 or AMX and emulated on an AVX2 machine, several times slower than float32)
+        name = f"{_cpu_name()} ({os.cpu_count()} logical CPUs, {torch.backends.cpu.get_cpu_capability()})"
     return {
         "streamkv": streamkv.__version__,
         "torch": torch.__version__,

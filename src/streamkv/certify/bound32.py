@@ -97,7 +97,7 @@ e. Tier 3: ``U_hat`` is one float32 product of length ``2D`` (``[q_s+, q_s-] . [
    ``|U_hat_b - U_b| <= gamma(2D + 3) A3_q``; its log-sum-exp with ``log n_b`` errs as in b, plus
    ``4u log n``. ``log m'`` is finished in float64 from ``log Z_hat + margin`` and
    ``L_hat - e_L - Lam_lo`` (``x -> x - logaddexp(y, x)`` increases in ``x``, decreases in ``y``).
-f. On the CPU the slack sums of (d) over tier 2 (``sum_j w_j |v_j - r|`` for ``w1, w2, w3, g``,
+f. On a CPU that multiplies bfloat16 natively (:func:`bf16_products_fast`) the slack sums of (d) over tier 2 (``sum_j w_j |v_j - r|`` for ``w1, w2, w3, g``,
    ``sum_j P_j e^Delta_j dv_j``) and tier 1's ``sum_j P_j |v_j - r|`` are products of bfloat16
    factors (each factor rounded to nearest: ``>= (1 - 2^-8)`` times its float32 value), accumulated
    in float32 (the products of two bfloat16 numbers are exact there; the same ``gamma`` as (d)),
@@ -105,8 +105,8 @@ f. On the CPU the slack sums of (d) over tier 2 (``sum_j w_j |v_j - r|`` for ``w
    that product's rounding): each term of the inflated sum is at least the term of float32 factors,
    so every statement of (d) holds of it, and step 3's exact terms (float32 factors) are subtracted
    from a sum that holds them. Underflow: ``2^-134`` absolute per bfloat16 factor and result,
-   ``S 2^-125 (2 max|v| + the weights' sum + 1)`` added. Elsewhere (CUDA: a bfloat16 product may
-   reduce in bfloat16) these sums stay float32. Every float32 product assumes IEEE float32
+   ``S 2^-125 (2 max|v| + the weights' sum + 1)`` added. Elsewhere these sums stay float32 (CUDA: a
+   bfloat16 product may reduce in bfloat16; a CPU without bfloat16 instructions emulates it slower). Every float32 product assumes IEEE float32
    arithmetic: ``torch.get_float32_matmul_precision()`` other than ``"highest"`` is refused.
 
 The margin ``eps_o`` is about ``4 (D + 3) u A_q`` times the mean ``|v - r|``: ``~1e-4`` of it for
@@ -121,6 +121,7 @@ the proof is about (the code's comments name the step or rounding each part comp
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ from torch import Tensor
 from ..compiled import compile_kernel, may_compile
 from .bound import Certificate
 
-__all__ = ["U32", "gamma32", "TierHeld", "certify_tier", "check_precision"]
+__all__ = ["U32", "gamma32", "TierHeld", "bf16_products_fast", "certify_tier", "check_precision"]
 
 #: unit roundoff of float32 (round to nearest)
 U32 = 2.0**-24
@@ -141,8 +142,19 @@ _F64 = 2.0**-40  # float64 finishing (each op 2^-53 relative; a few hundred ops 
 #: rounding f: a slack sum of bfloat16 factors, its result rounded to bfloat16, is multiplied by this
 #: (>= 1 / (1 - 2^-8)^3 = 1.011812, with room for the float32 product's own rounding)
 INFLATE = 1.0119
-#: take the slack sums in bfloat16 products on the CPU (rounding f; 2.8x the float32 products there)
+#: take the slack sums in bfloat16 products on a CPU that multiplies bfloat16 natively (rounding f;
+#: 2.8x the float32 products on one with AVX512-BF16)
 BF16_SLACK = True
+
+
+@functools.cache
+def bf16_products_fast() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16 or AMX tiles). Elsewhere
+    (an AVX2 machine) the product is emulated: 7.6x *slower* than float32 at a 4,680 x 17,160 x 128
+    product on one here, so the slack sums stay float32 there."""
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported",
+                                                                          "_is_amx_tile_supported"))
 
 
 def gamma32(n: float | Tensor):
@@ -309,7 +321,8 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
                           dtype=f64, device=q.device)
     k1t, k2t = k[..., :S1, :].transpose(-1, -2), k[..., S1:, :].transpose(-1, -2)
     vc1, vc2, vd1, vd2 = vc[..., :S1, :], vc[..., S1:, :], vdev[..., :S1, :], vdev[..., S1:, :]
-    low = BF16_SLACK and q.device.type == "cpu"  # the slack sums in bfloat16 products (rounding f)
+    # the slack sums in bfloat16 products (rounding f) where the CPU has them natively
+    low = BF16_SLACK and q.device.type == "cpu" and bf16_products_fast()
     bf = torch.bfloat16
     vd1b, vd2b, dv2b = (vd1.to(bf), vd2.to(bf), held.dv2.to(bf)) if low else (vd1, vd2, held.dv2)
     dead2 = (~held.live2).unsqueeze(1)  # [H, 1, M]
