@@ -97,17 +97,19 @@ e. Tier 3: ``U_hat`` is one float32 product of length ``2D`` (``[q_s+, q_s-] . [
    ``|U_hat_b - U_b| <= gamma(2D + 3) A3_q``; its log-sum-exp with ``log n_b`` errs as in b, plus
    ``4u log n``. ``log m'`` is finished in float64 from ``log Z_hat + margin`` and
    ``L_hat - e_L - Lam_lo`` (``x -> x - logaddexp(y, x)`` increases in ``x``, decreases in ``y``).
-f. On a CPU that multiplies bfloat16 natively (:func:`bf16_products_fast`) the slack sums of (d) over tier 2 (``sum_j w_j |v_j - r|`` for ``w1, w2, w3, g``,
-   ``sum_j P_j e^Delta_j dv_j``) and tier 1's ``sum_j P_j |v_j - r|`` are products of bfloat16
-   factors (each factor rounded to nearest: ``>= (1 - 2^-8)`` times its float32 value), accumulated
-   in float32 (the products of two bfloat16 numbers are exact there; the same ``gamma`` as (d)),
-   the result rounded to bfloat16, then multiplied by ``1.0119 >= 1 / (1 - 2^-8)^3`` (with room for
-   that product's rounding): each term of the inflated sum is at least the term of float32 factors,
-   so every statement of (d) holds of it, and step 3's exact terms (float32 factors) are subtracted
-   from a sum that holds them. Underflow: ``2^-134`` absolute per bfloat16 factor and result,
-   ``S 2^-125 (2 max|v| + the weights' sum + 1)`` added. Elsewhere these sums stay float32 (CUDA: a
-   bfloat16 product may reduce in bfloat16; a CPU without bfloat16 instructions emulates it slower). Every float32 product assumes IEEE float32
-   arithmetic: ``torch.get_float32_matmul_precision()`` other than ``"highest"`` is refused.
+f. On a CPU that multiplies bfloat16 natively (:func:`bf16_products_fast`) the slack sums of (d)
+   over tier 2 (``sum_j w_j |v_j - r|`` for ``w1, w2, w3, g``, ``sum_j P_j e^Delta_j dv_j``) and
+   tier 1's ``sum_j P_j |v_j - r|`` are products of bfloat16 factors (each factor rounded to
+   nearest: ``>= (1 - 2^-8)`` times its float32 value), accumulated in float32 (the products of two
+   bfloat16 numbers are exact there; the same ``gamma`` as (d)), the result rounded to bfloat16,
+   then multiplied by ``1.0119 >= 1 / (1 - 2^-8)^3`` (with room for that product's rounding): each
+   term of the inflated sum is at least the term of float32 factors, so every statement of (d)
+   holds of it, and step 3's exact terms (float32 factors) are subtracted from a sum that holds
+   them. Underflow: ``2^-134`` absolute per bfloat16 factor and result, ``S 2^-125 (2 max|v| + the
+   weights' sum + 1)`` added. Elsewhere these sums stay float32 (CUDA: a bfloat16 product may
+   reduce in bfloat16; a CPU without bfloat16 instructions emulates it slower). Every float32
+   product assumes IEEE float32 arithmetic: ``torch.get_float32_matmul_precision()`` other than
+   ``"highest"`` is refused.
 
 The margin ``eps_o`` is about ``4 (D + 3) u A_q`` times the mean ``|v - r|``: ``~1e-4`` of it for
 ``A_q ~ 30``, ``D = 64``; beside a quantisation slack it is small, but where the truth is at the
