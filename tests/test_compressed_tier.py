@@ -423,8 +423,8 @@ def test_certify_schedule():
 def test_bookkeeping_matches_a_reference(chunk):
     """Every head's entries are its evicted tokens in eviction order (host copy exact); a ring slot
     is live exactly when its entry's block is in tier 2 and not recalled; every tier-3 box holds
-    its block's original keys and the value box every tier-3 value; a span larger than the ring
-    (chunk 40 > capacity 32) sends rows straight past it."""
+    its block's original keys and the value box every tier-3 value; each ring slot holds its entry's
+    token; a span larger than the ring (chunk 40 > capacity 32) sends rows straight past it."""
     T = 120
     q, k, v = _stream(T=T, seed=8)
     cache = KVCache((B, SINK + 2 * chunk + 6, H, D), (B, SINK + 2 * chunk + 6, H, D), policy="tova", seq_dim=1,
@@ -453,6 +453,8 @@ def test_bookkeeping_matches_a_reference(chunk):
             ent = tier._ring_entries(torch.tensor(tier.count[0]))[h]
             want = (ent >= 0) & (ent // 8 >= front) & torch.tensor([int(e) // 8 not in rec for e in ent])
             assert torch.equal(tier.live[0, h], want)
+            held = ent >= 0  # each ring slot holds its entry's token (the last 32 of a larger span)
+            assert torch.equal(tier.entry_pos[0, h][held].long(), hp[ent[held]])
             for blk in range(front):
                 ko, vo = hk[0, blk * 8:(blk + 1) * 8], hv[0, blk * 8:(blk + 1) * 8]
                 assert (tier.lo[0][0, h, blk] <= ko.amin(0)).all() and (ko.amax(0) <= tier.hi[0][0, h, blk]).all()

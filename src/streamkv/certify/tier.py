@@ -80,6 +80,12 @@ __all__ = ["CompressedTier"]
 _BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
 
 
+def _rows(mask: Tensor, device: torch.device) -> Tensor:
+    """The indices of a host ``bool`` mask's true rows, on ``device`` (a host test, a host-to-device
+    copy: the device is not read, as a boolean index of a device tensor would)."""
+    return mask.nonzero().flatten().to(device)
+
+
 class CompressedTier(CacheObserver):
     """Tiers 2 and 3 and the host copy for one full-precision cache (see the module docstring).
 
@@ -397,13 +403,12 @@ class CompressedTier(CacheObserver):
         f_old = self._front[layer].clone()
         f_new = torch.maximum(f_old, torch.where(c_new > M, -torch.div(M - c_new, blk, rounding_mode="floor"), 0))
         e = e_c.to(dev)
-        f_row = f_new.to(dev)[hh]
         if bool((f_new > f_old).any()):  # host tensors: no device read
             self._grow_boxes(layer, int(f_new.max()))
-            self._push(layer, c_old, f_old, f_new, hh, e, f_row, k, v)
+            self._push(layer, c_old, f_old, f_new, hh, e, (hh_c, e_c), k, v)
         if int(cn.max()) > M:  # of a batch larger than the ring, only the last M of a head land in it
-            land = e >= c_new.to(dev)[hh] - M
-            hh, e, k, v, pos = hh[land], e[land], k[land], v[land], pos[land]
+            land = _rows(e_c >= c_new[hh_c] - M, dev)  # chosen on the host: no device read
+            hh, e, k, v, pos = (t.index_select(0, land) for t in (hh, e, k, v, pos))
         slot = e % M
         kc, ks = self.kf.encode(k, self.gk)  # [n, B, W]
         vc, vs = self.vf.encode(v, self.gv)
@@ -419,10 +424,11 @@ class CompressedTier(CacheObserver):
         self.stats["dropped_blocks"] += int((f_new - f_old).sum())
         self._refresh(layer)
 
-    def _push(self, layer: int, c_old: Tensor, f_old: Tensor, f_new: Tensor, hh: Tensor, e: Tensor, f_row: Tensor,
-              k: Tensor, v: Tensor) -> None:
+    def _push(self, layer: int, c_old: Tensor, f_old: Tensor, f_new: Tensor, hh: Tensor, e: Tensor,
+              host: tuple[Tensor, Tensor], k: Tensor, v: Tensor) -> None:
         """Tier-3 boxes of the blocks ``[f_old, f_new)`` of each head: their entries still in the ring
-        from the codes (``x^ -+ dx``, rounded outward), their entries of this batch from the originals."""
+        from the codes (``x^ -+ dx``, rounded outward), their entries of this batch from the originals.
+        ``host``: ``hh`` and ``e`` on the host (which rows those are is decided there)."""
         B, H, D, Dv, blk, dev = self.B, self.H, self.D, self.Dv, self.block, self.k_codes.device
         nb = self.lo[layer].shape[2]
         # the pushed blocks' entries still in the ring (host arithmetic: no device read)
@@ -452,14 +458,15 @@ class CompressedTier(CacheObserver):
             rows_h.append(hs)
             rows_b.append(eb_rows)
         if bool((c_old < f_new * blk).any()):  # rows of this batch already beyond the ring (host test)
-            new = torch.div(e, blk, rounding_mode="floor") < f_row
-            k32, v32 = self._outward(k[new]), self._outward(v[new])
+            hh_c, e_c = host
+            new = _rows(torch.div(e_c, blk, rounding_mode="floor") < f_new[hh_c], dev)  # no device read
+            k32, v32 = self._outward(k.index_select(0, new)), self._outward(v.index_select(0, new))
             klo.append(k32[0].transpose(0, 1))
             khi.append(k32[1].transpose(0, 1))
             vlo.append(v32[0].transpose(0, 1))
             vhi.append(v32[1].transpose(0, 1))
-            rows_h.append(hh[new])
-            rows_b.append(torch.div(e[new], blk, rounding_mode="floor"))
+            rows_h.append(hh.index_select(0, new))
+            rows_b.append(torch.div(e.index_select(0, new), blk, rounding_mode="floor"))
         if not rows_h:
             return
         rh, rb = torch.cat(rows_h), torch.cat(rows_b)
