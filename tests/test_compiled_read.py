@@ -85,26 +85,32 @@ def test_compiled_rotation_equals_the_eager_ops(style, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_position_masks_equal_their_definition(window, dtype, monkeypatch):
-    """A causal read's masks from one compiled pass over the positions (rows repeated per query
-    group, ``g*Q + i``): the bias is ``position_mask``'s ``-inf``, ``seen`` a row with a visible
-    key, ``drop`` a key hidden from every row; equal to those definitions, bit for bit."""
-    import streamkv.storage as storage
+@pytest.mark.parametrize("keys", ["per head", "shared by the heads", "past 2**40"])
+def test_compiled_position_masks_equal_their_definition(window, dtype, keys, monkeypatch):
+    """A causal read's masks from one compiled pass over the positions' float32 ranks (rows repeated
+    per query group, ``g*Q + i``): the bias is ``position_mask``'s ``-inf``, ``seen`` a row with a
+    visible key, ``drop`` a key hidden from every row; equal to those definitions, bit for bit; with
+    every head's positions one broadcast row (built once), and at positions no float32 holds."""
+    import streamkv.masks as masks
 
-    monkeypatch.setattr(storage, "MASK_COMPILE_MIN", 0)
+    monkeypatch.setattr(masks, "MASK_COMPILE_MIN", 0)
     g = torch.Generator().manual_seed(2)
     kpos = torch.randint(-1, 40, (3, 29), generator=g)  # empty slots among them
     qpos = torch.tensor([30, 2, 17, 0])
+    if keys == "shared by the heads":
+        kpos = kpos[:1].expand(3, -1)
+    elif keys == "past 2**40":  # neighbouring positions round to one float32 here
+        kpos, qpos = torch.where(kpos >= 0, kpos + 2**40, kpos), qpos + 2**40
     groups = 2
-    bias, seen, drop = storage.position_masks(kpos, qpos, window, groups, dtype)
-    (alone,) = storage.position_masks(kpos, qpos, window, groups, dtype, bias_only=True)
-    hidden = storage.position_mask(kpos, qpos.repeat(groups), window)  # [3, G*Q, S]
+    bias, seen, drop = masks.position_masks(kpos, qpos, window, groups, dtype)
+    (alone,) = masks.position_masks(kpos, qpos, window, groups, dtype, bias_only=True)
+    hidden = masks.position_mask(kpos, qpos.repeat(groups), window)  # [3, G*Q, S]
     want = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
     assert bias.dtype == dtype and torch.equal(bias, want) and torch.equal(alone, want)
     assert torch.equal(seen, (~hidden).any(-1, keepdim=True)) and torch.equal(drop, hidden.all(-2, keepdim=True))
     assert seen.any() and not seen.all() and drop.any() and not drop.all()  # both kinds of row and key occur
-    assert torch.equal(storage.position_bias(kpos, qpos, dtype, window, groups), want)
-    assert {k for k, f in storage._MASKS.items() if f is not None} >= {(window is None, dtype, False),
+    assert torch.equal(masks.position_bias(kpos, qpos, dtype, window, groups), want)
+    assert {k for k, f in masks._MASKS.items() if f is not None} >= {(window is None, dtype, False),
                                                                        (window is None, dtype, True)}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from streamkv.blockread import BlockPlan, Statistic, read_blocks
 from streamkv.scoring import blockwise_attention
-from streamkv.storage import position_bias
+from streamkv.masks import position_bias
 from streamkv.stores import Dims, Segment
 
 B, H, D = 2, 3, 8
@@ -344,3 +344,32 @@ def replace_segments(plan, **changes):
     from dataclasses import replace
 
     return replace(plan, segments=[replace(s, **changes) for s in plan.segments], memo=None)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_causal_statistics_are_exact_at_positions_float32_cannot_hold(window, monkeypatch):
+    """The statistics' causal mask (the compiled kernel's float32 codes) at positions past 2**40,
+    where neighbouring positions are one float32 apart from nothing: the statistics of the same
+    read shifted by 2**40 equal the unshifted ones, and both equal whole-row attention's."""
+    import streamkv.blockread as br
+
+    monkeypatch.setattr(br, "COMPILE_MIN", 0)
+    g = torch.Generator().manual_seed(11)
+    S, Q = 12, 5
+    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.randperm(S, generator=g).expand(H, -1).clone()
+    pos[0, 2] = -1
+    qp = torch.arange(6, 6 + Q)
+    dims = Dims((B, S, H, D), (B, S, H, D), seq=1, head=2, slots=S, chunk=Q)
+    got = []
+    for shift in (0, 2**40):
+        p = torch.where(pos >= 0, pos + shift, pos)
+        plan = BlockPlan(_segments(k, v, p, [4]), dims, 0.5, qp + shift, True, window, None, Statistic(), S, block=3)
+        got.append(read_blocks(q, plan))
+    bias = position_bias(pos, qp, torch.float64, window).unsqueeze(0)
+    ref = blockwise_attention(q, k, v, bias, scale=0.5, statistics=True, head_axis=1)
+    for a in got:
+        assert torch.allclose(a.key_max, ref.key_max, rtol=1e-11, atol=1e-12)
+        assert torch.allclose(a.key_sum, ref.key_sum, rtol=1e-11, atol=1e-12)
+    assert torch.equal(got[0].key_max, got[1].key_max) and torch.equal(got[0].key_sum, got[1].key_sum)

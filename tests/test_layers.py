@@ -10,7 +10,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "streamkv"
 
 #: the library's layers, bottom first: a module may import its own layer and the ones below
 LAYERS = [
-    {"validate", "layout", "budget", "reference", "compiled"},
+    {"validate", "layout", "budget", "reference", "compiled", "masks"},
     {"stores", "quant"},
     {"storage"},
     {"scoring", "rotary", "positions", "rope_at_read", "blockread"},

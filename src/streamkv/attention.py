@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .caches.read import KVRead, Occupancy
-from .storage import position_bias
+from .masks import position_bias
 from .validate import check_real
 from .blockread import read_blocks
 from .kernels import triton_read, why_not

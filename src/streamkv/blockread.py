@@ -27,6 +27,10 @@ A row hidden from every query of a block is zeroed before it is attended (``wher
 is NaN), so a stale non-finite row in an empty slot weighs nothing, unless the segment's rows are
 all held or all finite (``visible``, ``finite``: host facts). A non-finite row some query sees is
 attended as stored (quantised storage refuses one at the commit; a dense store holds what it got).
+
+Why one module: the statistics are a second pass of the same loop (the same blocks, the same key
+loads and queries per storage basis, the normaliser the first pass returns); apart, each half
+would import the other's private helpers.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from torch import Tensor
 
 from .compiled import compile_kernel, may_compile
 from .scoring import Blockwise, fold_groups, unfold_groups
-from .storage import position_mask, position_masks
+from .masks import position_mask, position_masks, position_ranks, ranks_hide
 from .stores import Dims, Segment
 
 __all__ = ["BlockPlan", "Statistic", "read_blocks"]
@@ -117,7 +121,7 @@ def _fused_masks(plan: BlockPlan, pos: Tensor, groups: int, dtype: torch.dtype, 
     """One block's masks for the fused kernel, laid out against scores ``[..., G*Q|1, s]``: the
     additive ``bias`` (``dtype``), ``seen [..., G*Q|1, 1]`` (the row sees a key of the block) and
     ``drop [..., s, 1]`` (the key is hidden from every row); a causal block's in one pass over the
-    positions (:func:`~streamkv.storage.position_masks`). ``key`` names it in ``plan.memo``."""
+    positions (:func:`~streamkv.masks.position_masks`). ``key`` names it in ``plan.memo``."""
     if key is not None and plan.memo is not None:
         key = ("fused", *key, groups, plan.causal, plan.window, dtype)
         got = plan.memo.get(key)
@@ -332,6 +336,9 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     lse_rows = torch.where(torch.isfinite(lse_rows), lse_rows, math.inf)
     H, S, dev = heads, plan.slots, qt.device
     lse_t = lse_rows.unsqueeze(-2).to(acc)  # [..., 1, G*r]
+    # the mask is computed where the scores are reduced, from small float32 codes of the keys'
+    # positions [..., s, 1] and the rows' [..., 1, G*r] (_rank_masks: exact, float compares)
+    qpos = plan.query_positions[rows].repeat(groups) if plan.causal else None
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
     scratch = None  # the slices' scores, one buffer for the pass
@@ -341,15 +348,16 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
             continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
         qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)  # [..., D, G*r]
-        hidden = None if seg.visible and not plan.causal else _mask(plan, seg.positions[:, a:b], groups, rows, key=key)
+        codes = None if seg.visible and not plan.causal else _rank_masks(seg.positions[:, a:b], qpos, plan.window, dims)
         # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory; a slice of
         # keys at a time (at most _STAT_SCORES scores: the buffer is reused, not faulted in anew)
         step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
         for j in range(0, b - a, step):
             j2 = min(b - a, j + step)
             st, scratch = _scores(k[..., j:j2, :].to(acc), qk, scratch)
-            hj = None if hidden is None else hidden[..., j:j2].transpose(-1, -2)
-            bmax, bsum = _reduce_block(st, hj, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
+            masks = None if codes is None else (codes[0][..., j:j2, :], None if codes[1] is None else codes[1][..., j:j2, :],
+                                                 codes[2])
+            bmax, bsum = _reduce_block(st, masks, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
             dest = slots[:, a + j:a + j2]
             dest = torch.where(dest >= 0, dest, S).expand(H, -1)
             if kmax is not None:
@@ -371,31 +379,61 @@ def _scores(k: Tensor, qk: Tensor, scratch: Tensor | None) -> tuple[Tensor, Tens
     return torch.matmul(k, qk, out=scratch[:n].view(shape)), scratch
 
 
-def _block_statistics(st: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int, ha: int | None,
+def _rank_masks(pos: Tensor, qpos: Tensor | None, window: int | None, dims: Dims
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """What a block's statistics hide their entries by (:func:`_hidden`), from the rows' positions
+    ``pos [H, s]``: the keys' codes laid out ``[..., s, 1]``. Without causality (``qpos`` None):
+    ``1`` for an empty slot, else ``0``; with the rows' positions ``qpos [R]``:
+    :func:`~streamkv.masks.position_ranks`' codes, the rows' laid out ``[..., 1, R]``."""
+    if qpos is None:
+        return dims.lay_out_heads((pos < 0).to(torch.float32).unsqueeze(-1)), None, None
+    c, d, rho = position_ranks(pos, qpos, window)
+    lay = dims.lay_out_heads
+    return lay(c.unsqueeze(-1)), None if d is None else lay(d.unsqueeze(-1)), rho.view(*([1] * (dims.rank - 2)), -1)
+
+
+def _hidden(masks: tuple) -> Tensor:
+    """The entries of a block's key-major scores ``[..., s, R]`` that are hidden, from ``masks``
+    (:func:`_rank_masks`, sliced to the block's keys): an empty slot, and with the rows' codes a
+    later key or one out of the window."""
+    c, d, rho = masks
+    return c > 0 if rho is None else ranks_hide(c, d, rho)
+
+
+def _block_statistics(st: Tensor, masks: tuple | None, lse: Tensor, scale: float, heads: int, ha: int | None,
                       want_max: bool, want_sum: bool, sliced: bool = True) -> tuple[Tensor | None, Tensor | None]:
     """Per key of one block and head: ``max_i p`` / ``sum_i p`` (float64 ``[H, s]``) of
     ``p = exp(scores * scale - lse)`` over the query rows (and the batch), from key-major scores
-    ``st [..., s, R]``, ``hidden [..., s, R|1]`` entries 0, ``lse [..., 1, R]``. A probability is at
+    ``st [..., s, R]``, the entries :func:`_hidden` finds from ``masks`` 0, ``lse [..., 1, R]``. A probability is at
     most 1: ``exp`` above it is the rounding of a float32 or narrower ``lse`` (1 + 2**-16 seen),
     clamped so that a statistic keeps the range its state dict is checked against (the true ``p``
     is <= 1, so the clamp never takes a value below the truth). Maxima of the rounded values,
     widened after (the same as widening first); sums of each value widened to float64 (``sliced``:
     a slice of keys at a time, eagerly, so that no float64 copy of ``p`` is made; a compiled kernel
-    widens in registers)."""
+    widens in registers). Each key's rows are reduced where they lie (the last dim), then the
+    batch (a compiled kernel keeps ``p`` in registers: no reshape of it to materialise)."""
     t = st * scale
-    if hidden is not None:
-        t = t.masked_fill(hidden, float("-inf"))
+    if masks is not None:
+        t = t.masked_fill(_hidden(masks), float("-inf"))
     p = (t - lse).exp().clamp(max=1.0)
-    ph = p.movedim(ha, 0) if ha is not None else p.unsqueeze(0)  # [H, ..., s, R]
-    ph = ph.movedim(-2, 1).reshape(heads, p.shape[-2], -1)  # [H, s, (batch) R]
-    bmax = ph.amax(-1).to(torch.float64) if want_max else None
+    bmax = _per_head(p.amax(-1), heads, ha, "max").to(torch.float64) if want_max else None
     bsum = None
     if want_sum and not sliced:
-        bsum = ph.to(torch.float64).sum(-1)
+        bsum = _per_head(p.to(torch.float64).sum(-1), heads, ha, "sum")
     elif want_sum:
-        step = max(1, _STAT_ELEMENTS // max(1, heads * ph.shape[-1]))
-        bsum = torch.cat([ph[:, j:j + step].to(torch.float64).sum(-1) for j in range(0, ph.shape[1], step)], dim=1)
+        s = p.shape[-2]
+        step = max(1, _STAT_ELEMENTS * s // max(1, p.numel()))
+        bsum = torch.cat([p[..., j:j + step, :].to(torch.float64).sum(-1) for j in range(0, s, step)], dim=-1)
+        bsum = _per_head(bsum, heads, ha, "sum")
     return bmax, bsum
+
+
+def _per_head(x: Tensor, heads: int, ha: int | None, how: str) -> Tensor:
+    """``x [..., s]`` (the attention layout's leading dims, the head's at ``ha``) reduced over every
+    leading dim but the head's: ``[H, s]``."""
+    xh = x.movedim(ha, 0) if ha is not None else x.unsqueeze(0)
+    xh = xh.reshape(heads, -1, x.shape[-1])
+    return xh.sum(1) if how == "sum" else xh.amax(1)
 
 
 _REDUCE: dict[tuple, Any] = {}
@@ -403,27 +441,28 @@ _REDUCE: dict[tuple, Any] = {}
 COMPILE_MIN = 1 << 18
 
 
-def _reduce_block(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int, ha: int | None,
+def _reduce_block(s: Tensor, masks: tuple | None, lse: Tensor, scale: float, heads: int, ha: int | None,
                   want_max: bool, want_sum: bool) -> tuple[Tensor | None, Tensor | None]:
     """:func:`_block_statistics`; on the CPU, a block of at least :data:`COMPILE_MIN` scores in one
-    compiled kernel (scale, mask, exp, clamp and both reductions in one pass over the scores, where
-    the eager ops make seven), outside a trace and a Python dispatch mode."""
+    compiled kernel (mask from positions, scale, exp, clamp and both reductions in one pass over the
+    scores, where the eager ops make seven), outside a trace and a Python dispatch mode."""
     if may_compile(s, s.numel(), COMPILE_MIN):
-        key = (hidden is None, ha, want_max, want_sum)
+        shape = None if masks is None else (masks[1] is None, masks[2] is None)  # no mask / one row / causal / window
+        key = (shape, ha, want_max, want_sum)
         fn = _REDUCE.get(key, False)
         if fn is False:
             fn = _REDUCE[key] = _compile_reduce(key)
         if fn is not None:
-            return fn(s, hidden, lse, scale, heads)
-    return _block_statistics(s, hidden, lse, scale, heads, ha, want_max, want_sum)
+            return fn(s, masks, lse, scale, heads)
+    return _block_statistics(s, masks, lse, scale, heads, ha, want_max, want_sum)
 
 
 def _compile_reduce(key: tuple) -> Any:
-    """One compiled :func:`_block_statistics` per (mask or none, head axis, reductions); None where
+    """One compiled :func:`_block_statistics` per (masks' shape, head axis, reductions); None where
     torch cannot compile here."""
     _, ha, want_max, want_sum = key
 
-    def reduce(s: Tensor, hidden: Tensor | None, lse: Tensor, scale: float, heads: int):
-        return _block_statistics(s, hidden, lse, scale, heads, ha, want_max, want_sum, sliced=False)
+    def reduce(s: Tensor, masks: tuple | None, lse: Tensor, scale: float, heads: int):
+        return _block_statistics(s, masks, lse, scale, heads, ha, want_max, want_sum, sliced=False)
 
     return compile_kernel(reduce, "statistics_" + "_".join(str(x) for x in key))

@@ -27,73 +27,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .compiled import compile_kernel, may_compile
+from .masks import position_bias, position_mask, position_masks
 from .stores import Dims, Segment, Store, WritePlan, make_store
 from .stores.dims import check_shape, normalise_dims
 from .validate import check_device, check_int
 
 __all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias", "position_mask", "position_masks"]
-
-
-def position_bias(key_positions: Tensor, query_positions: Tensor | None = None,
-                  dtype: torch.dtype = torch.float32, window: int | None = None, groups: int = 1) -> Tensor:
-    """The additive mask of attention over slots holding ``key_positions [..., S]`` (``-1``:
-    empty): ``-inf`` on empty slots and, given ``query_positions [Q]`` (causal attention), on
-    keys at later positions than the query, and with ``window`` on keys at positions ``<= p -
-    window`` (a sliding window of ``window`` positions, the query's own included). Shape
-    ``[..., Q, S]`` (``Q = 1`` without queries); ``groups`` repeats the query rows (``[..., G*Q,
-    S]``, row ``g*Q + i`` is query ``i``: grouped-query attention with the groups folded into the
-    rows).
-    A function of positions, so it is exact in any physical order: the one mask builder of the
-    project (reads, the chronological path, the certifier, the whole-history check)."""
-    if query_positions is not None:
-        return position_masks(key_positions, query_positions, window, groups, dtype, bias_only=True)[0]
-    hidden = position_mask(key_positions)
-    return torch.zeros(hidden.shape, dtype=dtype, device=key_positions.device).masked_fill_(hidden, float("-inf"))
-
-
-def position_mask(key_positions: Tensor, query_positions: Tensor | None = None, window: int | None = None) -> Tensor:
-    """:func:`position_bias` as a bool mask (True hides): ``[..., Q, S]``."""
-    k = key_positions.unsqueeze(-2)
-    hidden = k < 0
-    if query_positions is not None:
-        qp = query_positions.reshape(-1, 1)
-        hidden = hidden | (k > qp)
-        if window is not None:
-            hidden = hidden | (k <= qp - window)
-    return hidden
-
-
-def _masks(key_positions: Tensor, query_positions: Tensor, window: int | None, groups: int, dtype: torch.dtype,
-           bias_only: bool) -> tuple[Tensor, ...]:
-    hidden = position_mask(key_positions, query_positions.repeat(groups), window)
-    bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
-    if bias_only:
-        return (bias,)
-    return bias, (~hidden).any(-1, keepdim=True), hidden.all(-2, keepdim=True)
-
-
-#: masks of at least this many entries are built by one compiled kernel on the CPU
-MASK_COMPILE_MIN = 1 << 18
-_MASKS: dict = {}
-
-
-def position_masks(key_positions: Tensor, query_positions: Tensor, window: int | None = None, groups: int = 1,
-                   dtype: torch.dtype = torch.float32, bias_only: bool = False) -> tuple[Tensor, ...]:
-    """A causal read's masks in one pass over the positions: ``(bias, seen, drop)`` (``(bias,)``
-    with ``bias_only``), the additive ``bias [..., G*Q, S]`` of :func:`position_bias`, ``seen
-    [..., G*Q, 1]`` (the row sees some key) and ``drop [..., 1, S]`` (the key is hidden from
-    every row). On the CPU, masks of at least :data:`MASK_COMPILE_MIN` entries are one compiled
-    kernel (no bool mask, no repeat per group, no separate reductions)."""
-    n = key_positions.numel() * query_positions.numel() * groups
-    if may_compile(key_positions, n, MASK_COMPILE_MIN):
-        key = (window is None, dtype, bias_only)
-        if key not in _MASKS:
-            _MASKS[key] = compile_kernel(_masks, f"position_masks_{'window' if window is not None else 'causal'}_"
-                                                 f"{str(dtype).removeprefix('torch.')}{'_bias' if bias_only else ''}")
-        if _MASKS[key] is not None:
-            return _MASKS[key](key_positions, query_positions, window, groups, dtype, bias_only)
-    return _masks(key_positions, query_positions, window, groups, dtype, bias_only)
 
 
 class KVStorage:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..blockread import BlockPlan, Statistic
-from ..storage import position_bias
+from ..masks import position_bias
 
 if TYPE_CHECKING:
     from ..stores import Dims, Segment

@@ -46,7 +46,7 @@ from torch import Tensor
 from ..budget.mass import check_tau
 from ..caches import CacheObserver, CacheSet, Change, EvictionEvent, KVCache
 from ..scoring import fold_groups
-from ..storage import position_bias
+from ..masks import position_bias
 from ..validate import check_int, check_real
 from .bound import Certificate, certify
 from .quant_bound import QuantErrors

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..caches import CacheObserver
-from ..storage import position_bias, position_mask
+from ..masks import position_bias, position_mask
 from .bound import Certificate
 
 __all__ = ["HistoryCheck", "StepRecord"]

@@ -67,7 +67,7 @@ from ..budget.mass import check_tau
 from ..caches import CacheObserver, Change, KVCache
 from ..quant import KVQuant
 from ..scoring import fold_groups
-from ..storage import position_mask
+from ..masks import position_mask
 from ..stores import Segment
 from ..stores.codecs import IntCodec
 from ..validate import check_int, check_real
