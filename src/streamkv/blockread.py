@@ -96,19 +96,18 @@ class BlockPlan:
     memo: dict | None = None
 
 
-def _mask(plan: BlockPlan, pos: Tensor, groups: int, rows: slice | None = None, key: tuple | None = None) -> Tensor:
+def _mask(plan: BlockPlan, pos: Tensor, groups: int, key: tuple | None = None) -> Tensor:
     """Bool mask (True hides) of one block's ``positions [H, s]``, laid out against scores
-    ``[..., G*Q, s]`` (``[..., 1, s]`` without causality); ``rows``: the query rows scored; ``key``
-    names it in ``plan.memo`` (a stable segment's block: computed once per read)."""
+    ``[..., G*Q, s]`` (``[..., 1, s]`` without causality); ``key`` names it in ``plan.memo`` (a
+    stable segment's block: computed once per read)."""
     if key is not None and plan.memo is not None:
-        key = ("mask", *key, groups, plan.causal, plan.window, None if rows is None else (rows.start, rows.stop))
+        key = ("mask", *key, groups, plan.causal, plan.window)
         got = plan.memo.get(key)
         if got is None:
-            got = plan.memo[key] = _mask(plan, pos, groups, rows)
+            got = plan.memo[key] = _mask(plan, pos, groups)
         return got
     if plan.causal:
-        qp = plan.query_positions if rows is None else plan.query_positions[rows]
-        hidden = position_mask(pos, qp, plan.window)
+        hidden = position_mask(pos, plan.query_positions, plan.window)
     else:
         hidden = position_mask(pos)
     if groups > 1 and hidden.shape[-2] != 1:
@@ -447,7 +446,7 @@ def _reduce_block(s: Tensor, masks: tuple | None, lse: Tensor, scale: float, hea
     compiled kernel (mask from positions, scale, exp, clamp and both reductions in one pass over the
     scores, where the eager ops make seven), outside a trace and a Python dispatch mode."""
     if may_compile(s, s.numel(), COMPILE_MIN):
-        shape = None if masks is None else (masks[1] is None, masks[2] is None)  # no mask / one row / causal / window
+        shape = None if masks is None else (masks[1] is None, masks[2] is None)  # (no window, not causal)
         key = (shape, ha, want_max, want_sum)
         fn = _REDUCE.get(key, False)
         if fn is False:
