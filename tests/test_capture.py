@@ -77,10 +77,50 @@ def test_begin_and_commit_trace_whole(kind):
         commit(c)
 
 
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tiered_commit_traces_whole(kind):
+    """The compressed tier (no recall) records what its cache evicts with no read-back either:
+    fixed shapes from host bounds, on the device; the same tier state as an eager twin. Every
+    other kind's tier certifies (its begin checks the host's product precision). (Each chunk
+    recompiles, as above: the recompile limit is raised for the run past tier 2's ring.)"""
+    torch._dynamo.reset()
+    certify = KINDS.index(kind) % 2 == 1
+    (cache, tier), (twin, ttwin) = _tiered(kind, certify), _tiered(kind, certify)
+    g = torch.Generator().manual_seed(3)
+    begin = torch.compile(lambda c: cache.begin_chunk(c), backend="eager", fullgraph=True)
+    commit = torch.compile(lambda c: cache.commit_chunk(c), backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=16):
+        for c in range(6):  # past tier 2's ring: blocks reach tier 3
+            q, k, v = _data(g)
+            for cc, b, m in ((cache, begin, commit), (twin, twin.begin_chunk, twin.commit_chunk)):
+                b(c)
+                for i in range(LAYERS):
+                    attend(q, cc.layer(i).update(k, v, q))
+                m(c)
+    assert tier.frontier == ttwin.frontier and max(max(f) for f in tier.frontier) > 0
+    for name in ("k_codes", "v_codes", "live", "entry_pos", "vlo", "vhi"):
+        assert torch.equal(getattr(tier, name), getattr(ttwin, name)), name
+    for a, b in zip(tier.lo + tier.hi, ttwin.lo + ttwin.hi):
+        assert torch.equal(a, b)
+
+
+def _tiered(kind, certify):
+    from streamkv.certify.tier import CompressedTier
+
+    cache = _cache(kind)
+    return cache, CompressedTier(cache, fmt="int8", capacity=4, block=4, causal=False, certify=certify)
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "tier", "tier+certificates"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_steady_chunk_reads_the_device_back_zero_times(kind, quant):
-    cache, g = _cache(kind, quant), torch.Generator().manual_seed(2)
+    """``tier``: a compressed tier (no recall) on the full-precision cache, with or without its
+    certificate."""
+    if quant is not None and quant.startswith("tier"):
+        cache, _ = _tiered(kind, certify=quant == "tier+certificates")
+    else:
+        cache = _cache(kind, quant)
+    g = torch.Generator().manual_seed(2)
 
     def chunk():
         c = cache.next_chunk
@@ -90,8 +130,8 @@ def test_a_steady_chunk_reads_the_device_back_zero_times(kind, quant):
             attend(q, cache.layer(i).update(k, v, q, occupancy="mask"))
         cache.commit_chunk(c)
 
-    for _ in range(2 * (SINK + WINDOW) // CHUNK):
-        chunk()  # past the first evictions
+    for _ in range(4 * (SINK + WINDOW) // CHUNK):
+        chunk()  # past the first evictions (and a tier's first blocks into tier 3)
     counts = count_dispatch(chunk)
     assert counts.host_syncs == 0, counts.syncs
 
@@ -140,3 +180,27 @@ def test_quantised_storage_without_the_finite_check_keeps_what_it_was_given():
         again = KVCache((1, SINK + WINDOW, 2, 8), (1, SINK + WINDOW, 2, 8), seq_dim=1, sink=SINK, window=WINDOW,
                         chunk=CHUNK, policy="ring", quant=KVQuant("int8", check_finite=False))
         again.load_state_dict(cache.state_dict())  # its own state dict loads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_hosts_eviction_counts_hold_on_the_device(kind):
+    """What the host knows of a commit without reading the device, and what an observer sizes
+    its gathers and tier 3 by, checked against the device: a commit evicts at most
+    ``most_evicted()`` per (layer, head); where ``kept(end)`` is known, every head holds exactly
+    that after a commit."""
+    cache, g = _cache(kind), torch.Generator().manual_seed(4)
+    policy, cap = cache.policy, cache.storage.capacity
+    if policy.most_evicted() is None and policy.kept(0) is None:
+        pytest.skip(f"{kind}: the host knows neither count")
+    for c in range(3 * (SINK + WINDOW) // CHUNK):
+        cache.begin_chunk(c)
+        q, k, v = _data(g)
+        for i in range(LAYERS):
+            attend(q, cache.layer(i).update(k, v, q))
+        before = (cache.slot_positions[..., :cap] >= 0).sum(-1)
+        cache.commit_chunk(c)
+        held = (cache.slot_positions[..., :cap] >= 0).sum(-1)
+        if policy.most_evicted() is not None:
+            assert int((before - held).max()) <= policy.most_evicted(), c
+        if policy.kept(cache.end) is not None:
+            assert bool((held == policy.kept(cache.end)).all()), (c, held.tolist(), policy.kept(cache.end))

@@ -268,11 +268,18 @@ def _weights_kernel(x: Tensor, elements: int):
     return _weights
 
 
+@torch.compiler.assume_constant_result
+def _matmul_precision() -> str:
+    """The host's float32 product setting (a traced caller reads it when it is traced)."""
+    return torch.get_float32_matmul_precision()
+
+
 def check_precision() -> None:
     """Refuse float32 matrix products that are not IEEE float32 (rounding f's assumption)."""
-    if torch.get_float32_matmul_precision() != "highest":
+    precision = _matmul_precision()
+    if precision != "highest":
         raise ValueError(f"the float32 certificate assumes IEEE float32 matrix products, and "
-                         f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r} "
+                         f"torch.get_float32_matmul_precision() is {precision!r} "
                          f"(TF32 or bfloat16 inside them): set it to 'highest' for the certified steps")
 
 

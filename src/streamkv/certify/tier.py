@@ -21,10 +21,16 @@ Per (layer, head):
    K/V; entry ``e`` of a head is its ``e``-th evicted token (block ``b`` = entries
    ``[b * block, (b + 1) * block)``), in one growing buffer per layer.
 
-Everything per eviction is a few tensor operations per layer over all heads (no loop over heads
-but a host-side dict check of recalled blocks when recall is on); the entry bookkeeping keeps
-host counts, so a commit that evicts reads its evictions' (layer, head, position) triples back
-once, and with recall their K/V too (the host copy): a tier is outside a captured commit.
+Everything per eviction is a few tensor operations per layer over all heads, on the device with
+fixed shapes and no read of it: per (layer, head) the first ``K`` evicted slots by position
+(``K`` a host bound on what one eviction takes per head: the window's slots, the policy's
+``most_evicted()``, else the capacity; the rows past a head's count are padding), entries counted
+on the device, ``K + block - 1`` candidate entries for the blocks pushed to tier 3, ``min(K,
+capacity)`` for the ring. Tier 3's boxes are allocated by a host bound on the entries (the
+positions that entered less those tier 1 holds: the policy's ``kept(end)`` after a commit of a
+fixed budget, else its sinks), so a tier without recall traces whole in a captured begin and
+commit. Recall copies every eviction to the host (one copy of counts and positions, one of the
+K/V) and keeps its counts there: it is outside a captured commit.
 
 **The certificate** (per query, against full-history attention over the original K/V) is
 :mod:`.bound32`'s: float32 over tiers 1 and 2 with a proven outward margin, the first-order
@@ -78,12 +84,7 @@ from .certifier import check_reopen, claim_unevicted, release
 __all__ = ["CompressedTier"]
 
 _BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
-
-
-def _rows(mask: Tensor, device: torch.device) -> Tensor:
-    """The indices of a host ``bool`` mask's true rows, on ``device`` (a host test, a host-to-device
-    copy: the device is not read, as a boolean index of a device tensor would)."""
-    return mask.nonzero().flatten().to(device)
+_NONE = torch.iinfo(torch.long).max  # a slot that nothing left
 
 
 class CompressedTier(CacheObserver):
@@ -154,6 +155,7 @@ class CompressedTier(CacheObserver):
         R = st.recall_slots
         self.rec_block = torch.full((L, H, max(R, 1)), -1, dtype=torch.long, device=dev)  # block held per recall slot
         self._slot = torch.arange(M, device=dev)
+        self._heads = torch.arange(H, device=dev).view(H, 1)
         self.box_dtype = torch.float32
         self.attached = False
         self.broken: str | None = None
@@ -201,26 +203,39 @@ class CompressedTier(CacheObserver):
         self._hk = [torch.zeros((H, 0, B, D), dtype=dt, pin_memory=pin) for _ in range(L)]
         self._hv = [torch.zeros((H, 0, B, Dv), dtype=dt, pin_memory=pin) for _ in range(L)]
         self._hp = [torch.zeros((H, 0), dtype=torch.long, pin_memory=pin) for _ in range(L)]
-        self._count = torch.zeros((L, H), dtype=torch.long)  # entries appended per (layer, head), host
-        self._front = torch.zeros((L, H), dtype=torch.long)  # blocks < frontier are in tier 3, host
+        self._count = torch.zeros((L, H), dtype=torch.long, device=dev)  # entries appended per (layer, head)
+        self._front = torch.zeros((L, H), dtype=torch.long, device=dev)  # blocks < frontier are in tier 3
+        self._dropped = torch.zeros((L, H), dtype=torch.long, device=dev)  # blocks pushed into tier 3
+        # recall's host mirror of the counts (it copies every evicted token to the host anyway)
+        self._count_h = torch.zeros((L, H), dtype=torch.long) if self.recall_tau is not None else None
+        self._nb = [0] * L  # tier-3 blocks allocated per layer (host)
+        self._bound = [0] * L  # a host bound on every head's entries (what tier 3's boxes are sized by)
         self._recalled: list[list[dict[int, tuple[list[int], int]]]] = [[{} for _ in range(H)] for _ in range(L)]
         self._free = [[list(range(self.storage.recall_slots)) for _ in range(H)] for _ in range(L)]
         self._planned: list[int | None] = [None] * L
         self._span: list[tuple[int | None, int]] = [(None, -1)] * L  # (start, ordinal) of the span each layer saw
         self.last: list[Certificate | None] = [None] * L
         self._ref: list[Tensor | None] = [None] * L  # the last certificate's mean output (bound32's reference)
-        self.stats: dict[str, Any] = {"steps": 0, "plans": 0, "recalled_blocks": 0, "recalled_tokens": 0,
+        self._stats: dict[str, Any] = {"steps": 0, "plans": 0, "recalled_blocks": 0, "recalled_tokens": 0,
                                       "h2d_bytes": 0, "shortfalls": 0, "dropped_blocks": 0, "box_bytes_peak": 0,
                                       "certify_seconds": 0.0, "h2d_bytes_per_span": [], "uncertified_steps": 0}
 
     # ------------------------------------------------------------------ sizes
     @property
+    def stats(self) -> dict[str, Any]:
+        """Counters of steps, plans, recall, certificate time and tier 3 (``dropped_blocks``: read
+        from the device when asked)."""
+        self._stats["dropped_blocks"] = int(self._dropped.sum())
+        return self._stats
+
+    @property
     def count(self) -> list[list[int]]:
-        """Entries appended per (layer, head) (host ints)."""
+        """Entries appended per (layer, head) (host ints: a read of the device)."""
         return self._count.tolist()
 
     @property
     def frontier(self) -> list[list[int]]:
+        """Blocks per (layer, head) in tier 3 (host ints: a read of the device)."""
         return self._front.tolist()
 
     @property
@@ -239,7 +254,7 @@ class CompressedTier(CacheObserver):
         0 without ``recall_tau``: nothing would read them)."""
         if self.recall_tau is None:
             return 0
-        n = int(self._count.sum())
+        n = int(self._count_h.sum())
         return n * (self.B * (self.D + self.Dv) * self._hk[0].element_size() + 8)
 
     def tier3_bytes(self, blocks: int) -> int:
@@ -276,7 +291,10 @@ class CompressedTier(CacheObserver):
             check_precision()  # before the span's writes: a refused step changes nothing
         if change.eviction is not None:
             captured = self._capture(change.eviction)
-            return lambda: self._record(captured)
+            if captured is None:
+                return None
+            bound = self._entry_bound(change, captured[0])
+            return lambda: self._record(captured, bound)
         return None
 
     def _reset(self) -> None:  # the cache's reset zeroed its slots, recall slots included
@@ -290,52 +308,55 @@ class CompressedTier(CacheObserver):
         self.vmin[layer] = torch.minimum(self.vmin[layer], vd.amin(dim=(0, 1, 3)))
         self.vmax[layer] = torch.maximum(self.vmax[layer], vd.amax(dim=(0, 1, 3)))
 
-    def _capture(self, event) -> list[tuple]:
-        """Per layer: the evicted tokens' heads ``[n]``, positions ``[n]`` and K/V ``[n, B, D]``,
-        sorted by (head, position), gathered while the cache still holds them (nothing of this
-        tier changes), on the device and their host copies. Device reads for every layer at once:
-        the evicted (layer, head, slot) triples (one ``nonzero``; none where the slots are host
-        ints), their heads and positions (one copy), their K/V (one copy)."""
-        st, cap, H, L = self.storage, self.storage.capacity, self.H, self.L
-        dev = event.evicted.device
-        if event.shared_slots is not None:  # every layer and head loses the same slots: no device read of them
-            n = len(event.shared_slots)
-            ss = torch.tensor(event.shared_slots, dtype=torch.long, device=dev).repeat(L * H)
-            hh = torch.arange(H, device=dev).repeat_interleave(n).repeat(L)
-            ll = torch.arange(L, device=dev).repeat_interleave(H * n)
-        else:
-            ll, hh, ss = event.evicted[:, :, :cap].nonzero(as_tuple=True)
-        if ll.numel() == 0:
-            return []
-        pos = event.positions.expand(L, H, -1)[ll, hh, ss]
-        order = torch.argsort(pos, stable=True)  # then by (layer, head), stably: positions ascending within
-        order = order[torch.argsort((ll * H + hh)[order], stable=True)]
-        ll, hh, ss, pos = ll[order], hh[order], ss[order], pos[order]
-        ll_c, hh_c, pos_c = torch.stack([ll, hh, pos]).cpu()
-        counts = torch.bincount(ll_c, minlength=L).tolist()
-        parts, a = [], 0
-        for layer, c in enumerate(counts):
-            if c:
-                sl = slice(a, a + c)
-                parts.append((layer, sl, st.head_view("k", layer)[hh[sl], :, ss[sl]],
-                              st.head_view("v", layer)[hh[sl], :, ss[sl]]))
-            a += c
-        if self.recall_tau is None:  # nothing reads a host copy: none is made
-            return [(layer, hh[sl], pos[sl], k, v, (hh_c[sl], pos_c[sl], None, None)) for layer, sl, k, v in parts]
-        ks = torch.cat([k.flatten(1) for _, _, k, _ in parts])
-        kv_c = torch.cat([ks, torch.cat([v.flatten(1) for _, _, _, v in parts])], 1).cpu()
-        out, a = [], 0
-        for layer, sl, k, v in parts:
-            n = k.shape[0]
-            kc, vc = kv_c[a:a + n].split([k[0].numel(), v[0].numel()], 1)
-            a += n
-            out.append((layer, hh[sl], pos[sl], k, v, (hh_c[sl], pos_c[sl], kc.view(k.shape), vc.view(v.shape))))
-        return out
+    def _most(self, event) -> int:
+        """A host bound on the tokens ``event`` evicts per (layer, head)."""
+        cap = self.storage.capacity
+        if event.shared_slots is not None:
+            return min(len(event.shared_slots), cap)
+        most = self.cache.policy.most_evicted()
+        return cap if most is None else min(most, cap)
 
-    def _record(self, captured: list) -> None:
+    def _capture(self, event) -> tuple | None:
+        """What leaves, gathered while the cache still holds it (nothing of this tier changes), as
+        ``(K, positions, counts, k, v, host)``: per (layer, head) the first ``K`` evicted slots by
+        position (``K``: :meth:`_most`; rows past a head's count are padding), their positions
+        ``[L, H, K]``, the counts ``[L, H]`` and K/V ``[L, H, K, B, D]``. Fixed shapes on the
+        device, no read of it; with recall also their host copy (one copy of the counts and
+        positions, one of the K/V)."""
+        st, cap, H, L = self.storage, self.storage.capacity, self.H, self.L
+        K = self._most(event)
+        if K == 0:
+            return None
+        pos = event.positions.expand(L, H, -1)[..., :cap]
+        key = torch.where(event.evicted[..., :cap], pos, _NONE)
+        pos, slots = key.topk(K, dim=-1, largest=False, sorted=True)  # the evicted first, by position
+        n = (pos < _NONE).sum(-1)
+        layers = torch.arange(L, device=slots.device).view(L, 1, 1)
+        k = st.head_view("k")[layers, self._heads, :, slots]  # [L, H, K, B, D]
+        v = st.head_view("v")[layers, self._heads, :, slots]
+        host = None
+        if self.recall_tau is not None:  # the host copy recall reads
+            meta = torch.cat([n.unsqueeze(-1), pos], -1).cpu()
+            kv = torch.cat([k.flatten(3), v.flatten(3)], -1).cpu()
+            host = (meta[..., 0], meta[..., 1:], kv)
+        return K, pos, n, k, v, host
+
+    def _entry_bound(self, change: Change, K: int) -> list[int]:
+        """Per layer, a host bound on every head's entries once ``change`` is applied: what the event
+        may add (``K`` per head), and at most the positions that entered less those tier 1 still
+        holds (known on the host after a commit of a fixed budget; else at least the sinks)."""
+        cache = change.cache
+        end = cache.end
+        kept = cache.policy.kept(end) if change.what == "commit" else None
+        floor = min(end, cache.layout.sink) if kept is None else kept
+        return [min(b + K, end - floor) for b in self._bound]
+
+    def _record(self, captured: tuple, bound: list[int]) -> None:
         try:
-            for layer, hh, pos, k, v, host in captured:
-                self._append(layer, hh, pos, k, v, host)
+            K, pos, n, k, v, host = captured
+            for layer in range(self.L):
+                self._append(layer, K, pos[layer], n[layer], k[layer], v[layer], bound[layer],
+                             None if host is None else tuple(t[layer] for t in host))
         except BaseException as exc:
             self.broken = f"recording an applied eviction failed: {type(exc).__name__}: {exc}"
             raise
@@ -358,10 +379,11 @@ class CompressedTier(CacheObserver):
             getattr(self, name)[layer] = t
 
     def _grow_boxes(self, layer: int, need: int) -> None:
-        nb = self.lo[layer].shape[2]
+        nb = self._nb[layer]
         if need <= nb:
             return
         grow = -(-need // _BOX_STEP) * _BOX_STEP - nb  # allocated a step of blocks at a time
+        self._nb[layer] = nb + grow
         dev = self.lo[layer].device
         self.lo[layer] = torch.cat([self.lo[layer], torch.full((self.B, self.H, grow, self.D), math.inf,
                                                                dtype=self.box_dtype, device=dev)], 2)
@@ -369,6 +391,8 @@ class CompressedTier(CacheObserver):
                                                                dtype=self.box_dtype, device=dev)], 2)
         self.log_count[layer] = torch.cat([self.log_count[layer], torch.full(
             (1, self.H, grow), -math.inf, dtype=torch.float32, device=dev)], 2)
+        per_block = self.H * (2 * self.B * self.D * self.lo[layer].element_size() + 4)  # lo, hi and a count
+        self._stats["box_bytes_peak"] = max(self._stats["box_bytes_peak"], sum(self._nb) * per_block)
 
     def _ring_entries(self, counts: Tensor) -> Tensor:
         """``[H, M]`` the entry each ring slot holds for per-head ``counts`` (device; -1: none yet)."""
@@ -377,108 +401,102 @@ class CompressedTier(CacheObserver):
         ent = slot + self.M * torch.div(c - 1 - slot, self.M, rounding_mode="floor")
         return torch.where(slot < c, ent, -1)
 
-    def _append(self, layer: int, hh: Tensor, pos: Tensor, k: Tensor, v: Tensor,
-                host: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
-        """Append the evicted tokens of ``layer`` (sorted by head, then position) to every head at once:
-        host copy, tier-3 boxes of the blocks pushed out of the ring, tier-2 codes, masks. ``host``:
-        ``hh``, ``pos``, ``k``, ``v`` copied to the host by :meth:`_capture` (``k``, ``v`` None: no recall
-        reads them, none is kept)."""
-        H, M, blk, dev = self.H, self.M, self.block, self.k_codes.device
-        n = hh.numel()
-        hh_c, pos_c, k_c, v_c = host
-        cn = torch.bincount(hh_c, minlength=H)
-        c_old = self._count[layer].clone()
-        c_new = c_old + cn
-        for h in range(H) if self.recall_tau is not None else ():  # a recalled block that grows: release it
-            b = int(c_old[h]) // blk
-            if cn[h] and int(c_old[h]) % blk and b in self._recalled[layer][h]:
-                self._release(layer, h, b)
-        start = torch.cumsum(cn, 0) - cn
-        e_c = c_old[hh_c] + torch.arange(n) - start[hh_c]  # the entry id of every row (host)
-        if k_c is not None:  # the host copy recall reads
-            self._grow_host(layer, int(c_new.max()))
-            self._hk[layer][hh_c, e_c] = k_c.to(self._hk[layer].dtype)
-            self._hv[layer][hh_c, e_c] = v_c.to(self._hv[layer].dtype)
-            self._hp[layer][hh_c, e_c] = pos_c
-        f_old = self._front[layer].clone()
-        f_new = torch.maximum(f_old, torch.where(c_new > M, -torch.div(M - c_new, blk, rounding_mode="floor"), 0))
-        e = e_c.to(dev)
-        if bool((f_new > f_old).any()):  # host tensors: no device read
-            self._grow_boxes(layer, int(f_new.max()))
-            self._push(layer, c_old, f_old, f_new, hh, e, (hh_c, e_c), k, v)
-        if int(cn.max()) > M:  # of a batch larger than the ring, only the last M of a head land in it
-            land = _rows(e_c >= c_new[hh_c] - M, dev)  # chosen on the host: no device read
-            hh, e, k, v, pos = (t.index_select(0, land) for t in (hh, e, k, v, pos))
-        slot = e % M
-        kc, ks = self.kf.encode(k, self.gk)  # [n, B, W]
-        vc, vs = self.vf.encode(v, self.gv)
-        self.k_codes[layer][:, hh, slot] = kc.transpose(0, 1)
-        self.v_codes[layer][:, hh, slot] = vc.transpose(0, 1)
-        if ks is not None:
-            self.k_scale[layer][:, hh, slot] = ks.transpose(0, 1)
-        if vs is not None:
-            self.v_scale[layer][:, hh, slot] = vs.transpose(0, 1)
-        self.entry_pos[layer][hh, slot] = pos.to(self.entry_pos.dtype)
+    def _append(self, layer: int, K: int, pos: Tensor, n: Tensor, k: Tensor, v: Tensor, bound: int,
+                host: tuple[Tensor, Tensor, Tensor] | None) -> None:
+        """Append the evicted tokens of ``layer`` (per head ``n [H]`` of the ``K`` rows, by position)
+        to every head at once, on the device with fixed shapes: the tier-3 boxes of the blocks pushed
+        out of the ring, tier-2 codes, masks; with recall (``host``: the counts, positions and K/V
+        copied by :meth:`_capture`) the host copy. ``bound``: the host bound on the entries after it."""
+        M, blk = self.M, self.block
+        c_old, f_old = self._count[layer].clone(), self._front[layer].clone()
+        c_new = c_old + n
+        f_new = torch.maximum(f_old, torch.div(c_new - M + blk - 1, blk, rounding_mode="floor").clamp(min=0))
+        if host is not None:
+            self._append_host(layer, *host)
+        self._bound[layer] = bound
+        if bound > M:  # blocks may leave the ring: tier 3's boxes (sized by the bound), then the push
+            self._grow_boxes(layer, -(-(bound - M) // blk))
+            self._push(layer, K, c_old, f_old, f_new, k, v)
+        self._land(layer, K, c_old, n, pos, k, v)
         self._count[layer] = c_new
         self._front[layer] = f_new
-        self.stats["dropped_blocks"] += int((f_new - f_old).sum())
+        self._dropped[layer] += f_new - f_old
         self._refresh(layer)
 
-    def _push(self, layer: int, c_old: Tensor, f_old: Tensor, f_new: Tensor, hh: Tensor, e: Tensor,
-              host: tuple[Tensor, Tensor], k: Tensor, v: Tensor) -> None:
-        """Tier-3 boxes of the blocks ``[f_old, f_new)`` of each head: their entries still in the ring
-        from the codes (``x^ -+ dx``, rounded outward), their entries of this batch from the originals.
-        ``host``: ``hh`` and ``e`` on the host (which rows those are is decided there)."""
+    def _append_host(self, layer: int, n: Tensor, pos: Tensor, kv: Tensor) -> None:
+        """Recall's host copy of the evicted tokens (host tensors): a recalled block that grows is
+        released; entry ``e`` of a head is its ``e``-th evicted token."""
+        H, B, D, Dv, blk = self.H, self.B, self.D, self.Dv, self.block
+        c_old = self._count_h[layer].clone()
+        for h in range(H):
+            b = int(c_old[h]) // blk
+            if n[h] and int(c_old[h]) % blk and b in self._recalled[layer][h]:
+                self._release(layer, h, b)
+        hh, j = (torch.arange(pos.shape[1]) < n.view(H, 1)).nonzero(as_tuple=True)
+        e = c_old[hh] + j
+        self._grow_host(layer, int((c_old + n).max()))
+        kc, vc = kv[hh, j].split([B * D, B * Dv], -1)
+        self._hk[layer][hh, e] = kc.view(-1, B, D).to(self._hk[layer].dtype)
+        self._hv[layer][hh, e] = vc.view(-1, B, Dv).to(self._hv[layer].dtype)
+        self._hp[layer][hh, e] = pos[hh, j]
+        self._count_h[layer] = c_old + n
+
+    def _land(self, layer: int, K: int, c_old: Tensor, n: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Tier-2 codes of the entries that land in the ring: a head's last ``R = min(K, M)`` rows,
+        entry ``e`` in slot ``e mod M`` (``R`` consecutive entries: distinct slots); the rows before
+        a head's first (fewer evicted than ``R``) write back what their slots hold."""
+        H, M = self.H, self.M
+        R = min(K, M)
+        j = n.view(H, 1) - R + torch.arange(R, device=n.device)  # [H, R]: the row of each; < 0: none
+        ok = j >= 0
+        slot = (c_old.view(H, 1) + j) % M
+        src = j.clamp(min=0)
+        hs = self._heads
+        kc, ks = self.kf.encode(k[hs, src], self.gk)  # [H, R, B, W]
+        vc, vs = self.vf.encode(v[hs, src], self.gv)
+        keep = ok.view(1, H, R, 1)
+        for buf, new in ((self.k_codes, kc), (self.v_codes, vc), (self.k_scale, ks), (self.v_scale, vs)):
+            if buf is not None:
+                dst = buf[layer]
+                dst[:, hs, slot] = torch.where(keep, new.permute(2, 0, 1, 3), dst[:, hs, slot])
+        ep = self.entry_pos[layer]
+        ep[hs, slot] = torch.where(ok, pos.gather(1, src).to(ep.dtype), ep[hs, slot])
+
+    def _push(self, layer: int, K: int, c_old: Tensor, f_old: Tensor, f_new: Tensor, k: Tensor, v: Tensor) -> None:
+        """Tier-3 boxes of the blocks ``[f_old, f_new)`` of each head, over the entries ``f_old *
+        block + i``, ``i < K + block - 1`` (the most one event pushes; the others masked): an entry
+        still in the ring from its codes (``x^ -+ dx``, rounded outward), one of this event from its
+        original (``k``, ``v``: the event's rows); the value boxes of the same entries."""
         B, H, D, Dv, blk, dev = self.B, self.H, self.D, self.Dv, self.block, self.k_codes.device
-        nb = self.lo[layer].shape[2]
-        # the pushed blocks' entries still in the ring (host arithmetic: no device read)
-        nb_h = f_new - f_old
-        heads = torch.repeat_interleave(torch.arange(H), nb_h)  # one per pushed block
-        starts = torch.cumsum(nb_h, 0) - nb_h
-        bids = f_old[heads] + torch.arange(heads.numel()) - starts[heads]
-        hs = heads.repeat_interleave(blk)
-        ent = (bids * blk).repeat_interleave(blk) + torch.arange(blk).repeat(heads.numel())
-        old_rows = ent < c_old[hs]  # the batch's own rows come from the originals below
-        hs, ent = hs[old_rows], ent[old_rows]
-        rows_h, rows_b, klo, khi, vlo, vhi = [], [], [], [], [], []
-        if hs.numel():
-            hs, ms, eb_rows = hs.to(dev), (ent % self.M).to(dev), torch.div(ent, blk, rounding_mode="floor").to(dev)
-            ks = None if self.k_scale is None else self.k_scale[layer][:, hs, ms]
-            vs = None if self.v_scale is None else self.v_scale[layer][:, hs, ms]
-            kc, vc = self.k_codes[layer][:, hs, ms], self.v_codes[layer][:, hs, ms]  # [B, n, W]
-            kd = self.kf.decode(kc, ks, D, self.gk)
-            vd = self.vf.decode(vc, vs, Dv, self.gv)
-            dk = self.kf.error_bound(kc, ks, D, self.gk, decoded=kd)
-            dv = self.vf.error_bound(vc, vs, Dv, self.gv, decoded=vd)
-            down, up = torch.tensor(-math.inf, device=dev), torch.tensor(math.inf, device=dev)
-            klo.append(torch.nextafter(kd - dk, down))
-            khi.append(torch.nextafter(kd + dk, up))
-            vlo.append(torch.nextafter(vd - dv, down))
-            vhi.append(torch.nextafter(vd + dv, up))
-            rows_h.append(hs)
-            rows_b.append(eb_rows)
-        if bool((c_old < f_new * blk).any()):  # rows of this batch already beyond the ring (host test)
-            hh_c, e_c = host
-            new = _rows(torch.div(e_c, blk, rounding_mode="floor") < f_new[hh_c], dev)  # no device read
-            k32, v32 = self._outward(k.index_select(0, new)), self._outward(v.index_select(0, new))
-            klo.append(k32[0].transpose(0, 1))
-            khi.append(k32[1].transpose(0, 1))
-            vlo.append(v32[0].transpose(0, 1))
-            vhi.append(v32[1].transpose(0, 1))
-            rows_h.append(hh.index_select(0, new))
-            rows_b.append(torch.div(e.index_select(0, new), blk, rounding_mode="floor"))
-        if not rows_h:
-            return
-        rh, rb = torch.cat(rows_h), torch.cat(rows_b)
-        idx = (rh * nb + rb).view(1, -1, 1)
-        for box, x, how in ((self.lo[layer], torch.cat(klo, 1), "amin"), (self.hi[layer], torch.cat(khi, 1), "amax")):
-            flat = box.view(B, H * nb, D)
-            flat.scatter_reduce_(1, idx.expand(B, -1, D), x.to(box.dtype), reduce=how)
-        hidx = rh.view(1, -1, 1).expand(B, -1, Dv)
-        self.vlo[layer].scatter_reduce_(1, hidx, torch.cat(vlo, 1), reduce="amin")
-        self.vhi[layer].scatter_reduce_(1, hidx, torch.cat(vhi, 1), reduce="amax")
-        self.stats["box_bytes_peak"] = max(self.stats["box_bytes_peak"], sum(
-            a.nbytes + z.nbytes + c.nbytes for a, z, c in zip(self.lo, self.hi, self.log_count)))
+        nb = self._nb[layer]
+        hs = self._heads
+        e = f_old.view(H, 1) * blk + torch.arange(K + blk - 1, device=dev)  # [H, P]
+        pushed = e < (f_new * blk).view(H, 1)
+        in_ring = (e < c_old.view(H, 1)).unsqueeze(-1)
+        ms = e % self.M
+        ks = None if self.k_scale is None else self.k_scale[layer][:, hs, ms]
+        vs = None if self.v_scale is None else self.v_scale[layer][:, hs, ms]
+        kc, vc = self.k_codes[layer][:, hs, ms], self.v_codes[layer][:, hs, ms]  # [B, H, P, W]
+        kd = self.kf.decode(kc, ks, D, self.gk)
+        vd = self.vf.decode(vc, vs, Dv, self.gv)
+        dk = self.kf.error_bound(kc, ks, D, self.gk, decoded=kd)
+        dv = self.vf.error_bound(vc, vs, Dv, self.gv, decoded=vd)
+        src = (e - c_old.view(H, 1)).clamp(0, K - 1)
+        k32 = self._outward(k[hs, src].permute(2, 0, 1, 3))  # [B, H, P, D]
+        v32 = self._outward(v[hs, src].permute(2, 0, 1, 3))
+        down, up = torch.tensor(-math.inf, device=dev), torch.tensor(math.inf, device=dev)
+        keep = pushed.unsqueeze(-1)
+        klo = torch.where(keep, torch.where(in_ring, torch.nextafter(kd - dk, down), k32[0]), up)
+        khi = torch.where(keep, torch.where(in_ring, torch.nextafter(kd + dk, up), k32[1]), down)
+        vlo = torch.where(keep, torch.where(in_ring, torch.nextafter(vd - dv, down), v32[0]), up)
+        vhi = torch.where(keep, torch.where(in_ring, torch.nextafter(vd + dv, up), v32[1]), down)
+        # a pushed block past the boxes (a bound that failed) indexes out of range: an error, not a lost box
+        idx = (hs * nb + torch.where(pushed, torch.div(e, blk, rounding_mode="floor"), 0)).view(1, -1, 1)
+        for box, x, how in ((self.lo[layer], klo, "amin"), (self.hi[layer], khi, "amax")):
+            box.view(B, H * nb, D).scatter_reduce_(1, idx.expand(B, -1, D), x.reshape(B, -1, D).to(box.dtype),
+                                                   reduce=how)
+        self.vlo[layer] = torch.minimum(self.vlo[layer], vlo.amin(2))
+        self.vhi[layer] = torch.maximum(self.vhi[layer], vhi.amax(2))
 
     @staticmethod
     def _outward(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -505,7 +523,7 @@ class CompressedTier(CacheObserver):
         if self.storage.recall_slots:
             live &= ~(eb.unsqueeze(-1) == rec.unsqueeze(-2)).any(-1)
         self.live[layer] = live
-        nb = self.lo[layer].shape[2]
+        nb = self._nb[layer]
         if nb:
             b = torch.arange(nb, device=dev).view(1, -1)
             in3 = b < front
@@ -572,21 +590,21 @@ class CompressedTier(CacheObserver):
             raise RuntimeError(f"this compressed tier cannot certify: {self.broken}")
         if not self._due(layer):
             self.last[layer] = None
-            self.stats["uncertified_steps"] += 1
+            self._stats["uncertified_steps"] += 1
             return
         t0 = time.perf_counter()
         span = cache.open_span[0]
         plan = self.recall_tau is not None and self._planned[layer] != span
         cert, parts = self.certificate(layer, q, parts=plan)
-        self.stats["steps"] += 1
+        self._stats["steps"] += 1
         if plan:
             self._planned[layer] = span
             if layer == 0:
-                self.stats["h2d_bytes_per_span"].append(0)
+                self._stats["h2d_bytes_per_span"].append(0)
             if self._plan(layer, cert, parts):
                 cert, _ = self.certificate(layer, q)
         self.last[layer] = cert
-        self.stats["certify_seconds"] += time.perf_counter() - t0
+        self._stats["certify_seconds"] += time.perf_counter() - t0
 
     def held_state(self, layer: int, q: Tensor) -> tuple[Tensor, TierHeld]:
         """The certificate's inputs for queries ``q [B, T, Hq, D]``: the query rows ``[B, H, Q, D]``
@@ -627,13 +645,13 @@ class CompressedTier(CacheObserver):
         estimated contribution that brings every query under target (as far as the free recall
         slots allow; a *shortfall* otherwise). Ranked and chosen on the device; one host read.
         True if the kept set changed."""
-        self.stats["plans"] += 1
+        self._stats["plans"] += 1
         H, blk, M = self.H, self.block, self.M
         dev = self.k_codes.device
         err = cert.error.amax(-1)  # [B, H, Q]
         target = (self.recall_tau * (self.vmax[layer] - self.vmin[layer]).clamp(min=0.0)).double().view(1, H, 1)
         over = (err > target).any(dim=(0, 2))  # [H]
-        counts = self._count[layer]
+        counts = self._count_h[layer]  # recall keeps the counts on the host
         NB = max(1, -(-int(counts.max()) // blk))
         B, _, Q = err.shape
         score = torch.zeros((B, H, Q, NB), dtype=torch.float64, device=dev)
@@ -670,7 +688,7 @@ class CompressedTier(CacheObserver):
                     taken.append(b)
                     room -= sizes[b]
             if len(taken) < len(todo):
-                self.stats["shortfalls"] += 1
+                self._stats["shortfalls"] += 1
             for b in taken:
                 self._recall(layer, h, b, epoch)
                 changed = True
@@ -679,7 +697,7 @@ class CompressedTier(CacheObserver):
         return changed
 
     def _recall(self, layer: int, h: int, b: int, epoch: int) -> None:
-        c = int(self._count[layer, h])
+        c = int(self._count_h[layer, h])
         k, v, pos = self._host_rows(layer, h, b * self.block, min((b + 1) * self.block, c))
         n = pos.numel()
         free = self._free[layer][h]
@@ -691,11 +709,11 @@ class CompressedTier(CacheObserver):
         self.rec_block[layer, h, slots] = b
         self._recalled[layer][h][b] = (slots, epoch)
         nbytes = kd.nbytes + vd.nbytes
-        self.stats["recalled_blocks"] += 1
-        self.stats["recalled_tokens"] += n
-        self.stats["h2d_bytes"] += nbytes
-        if self.stats["h2d_bytes_per_span"]:
-            self.stats["h2d_bytes_per_span"][-1] += nbytes
+        self._stats["recalled_blocks"] += 1
+        self._stats["recalled_tokens"] += n
+        self._stats["h2d_bytes"] += nbytes
+        if self._stats["h2d_bytes_per_span"]:
+            self._stats["h2d_bytes_per_span"][-1] += nbytes
 
     def _release(self, layer: int, h: int, b: int, refresh: bool = True) -> None:
         slots, _ = self._recalled[layer][h].pop(b)

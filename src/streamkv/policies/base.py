@@ -114,6 +114,17 @@ class SlotPolicy(abc.ABC):
         """Plan what the span's commit changes (None: nothing). May refuse (raise)."""
         return None
 
+    def most_evicted(self) -> int | None:
+        """A bound on the tokens one commit evicts per (layer, head), known on the host (None: any
+        number). With one, a scored policy's selection is a partial sort of that many candidates,
+        not a full sort; an observer of evictions sizes what it gathers by it."""
+        return None
+
+    def kept(self, end: int) -> int | None:
+        """The tokens every (layer, head) holds after a commit once ``end`` positions have entered,
+        where the host knows it without reading the device (None: the data decide it)."""
+        return None
+
     def reset(self) -> None:
         """Forget the stream (the storage is cleared by the cache)."""
 

@@ -155,11 +155,6 @@ class ScoredPolicy(SlotPolicy):
         None; ``inf`` past the candidates); ``candidates``/``protected`` are counts ``[L, H]``."""
         raise NotImplementedError
 
-    def most_evicted(self) -> int | None:
-        """A bound on the tokens one commit evicts per (layer, head), known on the host (None: any
-        number). With one, selection is a partial sort of that many candidates, not a full sort."""
-        return None
-
     def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
         """After the eviction is applied (state updates; ``scores.derived`` holds what
         :meth:`priority` computed for it: planning must not change the policy)."""
@@ -468,6 +463,11 @@ class FixedBudget(ScoredPolicy):
     def most_evicted(self) -> int:
         """A commit leaves ``budget`` tokens of at most ``sink + window`` held: ``capacity - budget``."""
         return self.layout.capacity - self.budget
+
+    def kept(self, end: int) -> int:
+        """Nothing leaves until a head holds more than ``budget``; then a commit leaves exactly
+        ``budget`` (no overflow: the next chunk always fits)."""
+        return min(end, self.budget)
 
 
 class KeptNorms(FixedBudget):
