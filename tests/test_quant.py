@@ -18,6 +18,7 @@ from kinds import params
 from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
 from streamkv.caches import CACHE_KINDS
+from streamkv.policies import POLICIES
 from streamkv.quant import KV_FORMATS, KVQuant, hadamard
 
 FORMATS = list(KV_FORMATS)
@@ -357,6 +358,42 @@ def test_bounds_in_a_hadamard_basis_cover_the_rotation_rounding(fmt):
     err = (x[:, slots] @ r.T - stored).abs()
     bound = c.storage.store.error_bounds(0, "k", slots).double()
     assert bool((err <= bound).all()), (err - bound).max()
+
+
+@pytest.mark.parametrize("kind", [k for k, cls in POLICIES.items() if cls.per_head])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_per_head_cache_reads_no_code_row_its_open_span_shadows(kind, causal, monkeypatch):
+    """A scored cache's open span is in slots of each head's own: those code rows are stale and
+    left out of the read, the others gathered per head (here at any size). The read and the
+    policy's statistics equal those of a read of every code row (float64); a commit voids the
+    cut."""
+    import streamkv.stores.quant as qs
+
+    monkeypatch.setattr(qs, "_MIN_CUT", 0)
+    caches = [_cache(kind, KVQuant("int8"), dtype=torch.float64) for _ in range(2)]
+    whole = caches[1].storage.store
+    monkeypatch.setattr(whole, "_head_cut", lambda n: 0)  # the twin reads every code row
+    g = torch.Generator().manual_seed(9)
+    cut_seen = 0
+    for c in range(8):
+        q, k, v = (torch.randn(B, C, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+        outs, codes = [], []
+        for cache in caches:
+            cache.begin_chunk(c)
+            read = cache.layer(0).update(k, v, q)
+            outs.append(attend(q, read, causal=causal)[0])
+            codes.append(sum(s.n for s in read.segments() if s.k_codec is not None))
+            if cache is caches[0]:
+                want = _reference(q, read, cache.keys(0), cache.values(0), causal)
+        assert torch.allclose(outs[0], want, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+        assert codes[1] == WINDOW and codes[0] == (WINDOW if c * C < SINK else WINDOW - C), (c, codes)
+        cut_seen += codes[0] < codes[1]
+        for cache in caches:
+            cache.commit_chunk(c)
+        assert torch.equal(caches[0].slot_positions, caches[1].slot_positions), c  # the same evictions
+        assert caches[0].storage.store._head_cut(WINDOW) == 0, "committed: every code row is read"
+    assert cut_seen
 
 
 def test_a_ring_reads_no_code_row_its_open_span_shadows(monkeypatch):

@@ -195,35 +195,65 @@ class QuantStore(Store):
             hp[:m].copy_(self._arange[:m]).add_(start)
         plan = where.plan[..., :n]  # [L|1, H|1, n], the shape of hot_row's leading dims
         self.hot_row.scatter_(-1, plan.expand(*self.hot_row.shape[:2], n), hp[:n].expand(*self.hot_row.shape[:2], n))
-        self._shadow = self._shadowed(where)
+        self._shadow = self._shadowed(where, start, n)
 
-    def _shadowed(self, where: WritePlan) -> tuple | None:
-        """The code rows the open span's full-precision rows shadow, as host runs ``(row, rows)``,
-        where the host knows them: every head's span in the same slots, in host ranges (the ring),
-        no residual (no other slot reads a hot row), codes not in pages; else None. Kept with the
-        map's tensor and version: any later change of the map (a commit's release, a load, a
-        reset) voids it."""
-        if (self.quant.residual or where.per_head or where.ranges is None or self.table is not None
-                or self.hot_row.is_inference() or torch.compiler.is_compiling()):
+    def _shadowed(self, where: WritePlan, start: int, n: int) -> tuple | None:
+        """The code rows the open span's full-precision rows shadow, where the host knows them: as
+        host runs ``(row, rows)`` where every head's span is in the same slots, in host ranges (the
+        ring); as a count where each head's span is in slots of its own (a per-head plan past the
+        sinks: ``n`` window slots per head, each a code row); else None. Only with no residual (no
+        other slot reads a hot row) and codes not in pages. Kept with the map's tensor and version:
+        any later change of the map (a commit's release, a load, a reset) voids it."""
+        if self.quant.residual or self.table is not None or self.hot_row.is_inference() or torch.compiler.is_compiling():
             return None
-        if any(a < self.c0 for a, _ in where.ranges):
+        if where.per_head:
+            return (n, self.hot_row, self.hot_row._version) if start >= max(self.sink, self.c0) else None
+        if where.ranges is None or any(a < self.c0 for a, _ in where.ranges):
             return None
         return tuple((a - self.c0, m) for a, m in where.ranges), self.hot_row, self.hot_row._version
 
+    def _shadow_now(self, n: int) -> tuple | int | None:
+        """The open span's shadow (:meth:`_shadowed`) if it is still the map's and worth a cut: at
+        least a sixteenth of the ``n`` code rows (and :data:`_MIN_CUT`), since a cut costs more
+        than a decoded token's row saves; else None. A traced read reads every row (and guards on
+        nothing the host keeps)."""
+        sh = self._shadow
+        if torch.compiler.is_compiling() or sh is None or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
+            return None
+        rows = sh[0] if isinstance(sh[0], int) else sum(m for _, m in sh[0])
+        return sh[0] if rows >= max(_MIN_CUT, n // 16) else None
+
+    def _head_cut(self, n: int) -> int:
+        """The code rows each head's open span shadows in slots of its own (0: no cut)."""
+        sh = self._shadow_now(n)
+        return sh if isinstance(sh, int) else 0
+
+    def _unshadowed(self, hot: Tensor, m: int) -> Tensor:
+        """``[H, m]``: each head's code rows that no hot row shadows, in order (``hot [H, n]``; every
+        head shadows ``n - m``, so each head's ``m`` rows fill its row of the map exactly)."""
+        keep = ~hot
+        dest = torch.where(keep, keep.cumsum(-1) - 1, m)  # the shadowed rows into a spare column
+        idx = torch.empty((hot.shape[0], m + 1), dtype=torch.long, device=hot.device)
+        return idx.scatter_(-1, dest, self._slot_idx[: hot.shape[1]].expand_as(dest))[:, :m]
+
+    def _head_rows(self, x: Tensor | None, idx: Tensor) -> Tensor | None:
+        """Rows ``idx [H, m]`` of each head of ``x`` (one layer, attention layout): a copy."""
+        if x is None:
+            return None
+        view = [1] * x.dim()
+        view[self.dims.head_axis], view[-2] = idx.shape
+        size = [*x.shape[:-2], idx.shape[1], x.shape[-1]]
+        return x.gather(-2, idx.view(view).expand(size))
+
     def _code_runs(self, n: int) -> list[tuple[int, int]]:
         """The runs ``(row, rows)`` of the ``n`` code rows a read attends: all of them, or those no
-        hot row of the open span shadows (a shadowed code row is hidden from every query: it would
-        only cost the read its scores) where they are at least a sixteenth of the rows (and
-        :data:`_MIN_CUT`): a cut adds a segment, which costs more than a decoded token's row saves."""
-        if torch.compiler.is_compiling():  # a traced read reads every row (and guards on nothing the host keeps)
-            return [(0, n)]
-        sh = self._shadow
-        if sh is None or sh[1] is not self.hot_row or sh[1]._version != sh[2]:
-            return [(0, n)]
-        if sum(m for _, m in sh[0]) < max(_MIN_CUT, n // 16):  # a cut costs a segment: taken where it saves rows
+        hot row of the open span shadows where the span is in the same slots of every head (a
+        shadowed code row is hidden from every query: it would only cost the read its scores)."""
+        sh = self._shadow_now(n)
+        if sh is None or isinstance(sh, int):
             return [(0, n)]
         out, at = [], 0
-        for a, m in sorted(sh[0]):
+        for a, m in sorted(sh):
             if a > at:
                 out.append((at, a - at))
             at = max(at, a + m)
@@ -342,6 +372,15 @@ class QuantStore(Store):
             elif table is not None:
                 pages = {"pages": table.dev, "page": table.page,
                          "host_pages": None if torch.compiler.is_compiling() else tuple(table.host)}
+            cut = 0 if pages else self._head_cut(n)
+            if cut:  # each head's span in its own slots: its other code rows, gathered (codes are bytes)
+                idx = self._unshadowed(hot[:, c0:], n - cut)
+                rows = self._head_rows
+                return out + [Segment(
+                    n=n - cut, positions=code_pos.gather(-1, idx), keys=rows(kc, idx), values=rows(vc, idx),
+                    features=d.features, dtype=self.acc, k_codec=self.kf, v_codec=self.vf, groups=(self.gk, self.gv),
+                    k_scale=rows(ks, idx), v_scale=rows(vs, idx), k_basis=self.rk, v_basis=self.rv, slots=idx + c0,
+                    finite=self.quant.check_finite)]
             runs = [(0, n)] if pages else self._code_runs(n)
             for a, m in runs:
                 part = (lambda t, a=a, m=m: t if t is None or (a, m) == (0, n) else t.narrow(-2, a, m))
