@@ -120,3 +120,27 @@ def test_a_cache_that_keeps_non_finite_scores_loads_its_own_state(kind):
     state["norms"] = torch.full_like(state["norms"], -math.inf)
     with pytest.raises(ValueError, match="norms"):
         build(check_finite=False).load_state_dict(state)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_keydiff_cosines_of_bf16_keys_are_float32_accurate(monkeypatch, compiled):
+    """A bf16 cache's cosines are float32 sums of the keys widened (not bf16 products rounded to
+    bf16): within float32 rounding of the float64 definition, eager and through the compiled
+    kernel (forced at this size)."""
+    from streamkv.policies import keydiff
+
+    monkeypatch.setattr(keydiff, "COMPILE_MIN", 0 if compiled else 1 << 62)
+    g = torch.Generator().manual_seed(0)
+    Hh, R, cap, Dd = 2, 2, 300, 64
+    k = (torch.randn(Hh, R, cap, Dd, generator=g) * 4 + 1).bfloat16()
+    held = torch.rand(Hh, 1, cap, generator=g) < 0.8
+    norms = torch.where(held, k.float().norm(dim=-1), 0.0)
+    inv = torch.where(held, 1.0 / norms.clamp(min=1e-12), 0.0)
+    count = held.sum(-1, keepdim=True).float()
+    got = keydiff.cosines(k, inv, norms, count)
+    kk = k.double()
+    unit = kk / kk.norm(dim=-1, keepdim=True)
+    anchor = (unit * held.unsqueeze(-1)).sum(-2, keepdim=True) / held.sum(-1, keepdim=True).unsqueeze(-1)
+    want = torch.nn.functional.cosine_similarity(kk, anchor, dim=-1)
+    err = (got.double() - want).abs()[held.expand_as(got)]
+    assert got.dtype == torch.float32 and err.max() < 1e-5, float(err.max())

@@ -1,6 +1,7 @@
 """Indexed writes move a row's bytes as the widest words it splits into (16-byte ``complex128``,
 else ``int64``; a reinterpreting view, never a conversion): every bit pattern lands as written,
-NaN payloads included, through the shared plan's ``index_copy_`` and a per-head plan's rows."""
+NaN payloads included, through the shared plan's ``index_copy_`` and a per-head plan's rows, and
+the open span reads back (``index_select`` of the same words) as written."""
 
 from __future__ import annotations
 
@@ -54,4 +55,7 @@ def test_an_indexed_write_lands_every_bit_pattern(cls, D):
                     assert torch.equal(got, x[:, :, h].view(torch.int16)), (c, layer, h)
             if cache.policy.needs_queries:
                 cache.policy.receive(layer, torch.rand(H, S + W, generator=gen).double(), None)
+        for which, x in (("k", k), ("v", v)):  # the span read back per head, the same bits
+            want = x.permute(2, 0, 1, 3).view(torch.int16).expand(2, -1, -1, -1, -1)
+            assert torch.equal(cache.storage.span(which, C).view(torch.int16), want), (c, which)
         cache.commit()

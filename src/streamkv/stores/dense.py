@@ -85,6 +85,22 @@ def put_rows(rows: Tensor, slots: Tensor, heads: Tensor, x: Tensor) -> None:
         flat.index_copy_(0, idx, src)
 
 
+def take_rows(rows: Tensor, slots: Tensor, heads: Tensor, out: Tensor) -> None:
+    """``out[:] = rows[slots, heads]``, the inverse of :func:`put_rows`: one ``index_select`` of
+    the (slot, head) rows flattened, as the widest words the rows split into, where the views
+    allow; else advanced indexing. ``out``: ``[n, H, *rest, D]``, contiguous."""
+    T, H = rows.shape[:2]
+    if not torch.compiler.is_compiling() and rows.stride(0) == H * rows.stride(1):
+        flat = rows.view(T * H, *rows.shape[2:])
+        dst = out.view(-1, *out.shape[2:])
+        w = word_size(flat)
+        fw, dw = _word_view(flat, w), _word_view(dst, w)
+        if fw is not None and dw is not None:
+            torch.index_select(fw, 0, (slots * H + heads).reshape(-1), out=dw)
+            return
+    out.copy_(rows[slots, heads])
+
+
 class DenseStore(Store):
     """Dense K/V buffers (see the module docstring). ``buffers``: preallocated ``(K, V)`` of the
     full shapes (a :class:`~streamkv.caches.CacheSet` passes views of one allocation)."""
@@ -324,13 +340,16 @@ class DenseStore(Store):
         d = self.dims
         if not where.per_head or d.head is None:
             return super().span(which, where, n)
-        out = []
-        for layer in range(self.num_layers):
-            buf = self._layer(layer)[0 if which == "k" else 1]
-            slots = self.rows_of(where.plan[layer, :, :n]) if self.table is not None else where.plan[layer, :, :n]
-            rows = d.rows(buf)[slots.transpose(0, 1), self._heads_idx[:n]]  # [n, H, *rest, D]
-            out.append(rows.movedim(0, -2).reshape(d.heads, -1, n, rows.shape[-1]))
-        return torch.stack(out)
+        bufs = [self._layer(layer)[0 if which == "k" else 1] for layer in range(self.num_layers)]
+        plans = [self.rows_of(where.plan[layer, :, :n]) if self.table is not None else where.plan[layer, :, :n]
+                 for layer in range(self.num_layers)]
+        heads = self._heads_idx[:n]
+        rows = d.rows(bufs[0])
+        out = torch.empty((self.num_layers, n, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        for layer, (buf, slots) in enumerate(zip(bufs, plans)):  # [n, H, *rest, D] per layer, into out
+            take_rows(d.rows(buf), slots.transpose(0, 1), heads, out[layer])
+        # [L, n, H, *rest, D] -> [L, H, R, n, D]: a view
+        return out.movedim(1, -2).reshape(self.num_layers, d.heads, -1, n, rows.shape[-1])
 
     # ------------------------------------------------------- slot maintenance
     def write_recall(self, layer: int, head: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
