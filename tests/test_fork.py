@@ -143,6 +143,17 @@ def test_refusals_change_nothing():
     _step(plain, _data(rng))
     with pytest.raises(ValueError, match="not paged"):
         plain.fork()
+    kept = plain.state_dict()
+    with pytest.raises(ValueError, match="not paged"):  # no pages to give back: refused, the cache stays usable
+        plain.release()
+    assert all(torch.equal(kept[k], v) if isinstance(v, torch.Tensor) else kept[k] == v
+               for k, v in plain.state_dict().items())
+    _step(plain, _data(rng))
+    group = CacheSet("ring", k_shape=(1, SINK + WINDOW, H, D), v_shape=(1, SINK + WINDOW, H, D), seq_dim=1,
+                     sink=SINK, window=WINDOW, chunk=CHUNK, branches=("cond", "uncond"), dtype=f64)
+    with pytest.raises(ValueError, match="branch 'cond': release.*not paged"):  # all or nothing
+        group.release()
+    group.begin_chunk(0)
     c = _build("ring", pages={"spare": 1})
     _step(c, _data(rng))
     c.begin_chunk(c.next_chunk)

@@ -179,9 +179,18 @@ class Branches:
         with them."""
         return [p for b in self.boundaries for p in b.store["pages"]]
 
+    def check_release(self) -> None:
+        """Raise as :meth:`release` would (nothing changes): released already, or not paged (its
+        buffers are its own: there is no pool to give them back to)."""
+        c = self.cache
+        c.checks.alive("release()")
+        if c.storage.store.table is None:
+            raise ValueError(f"release(): this {c.name} cache is not paged (built without pages=): it holds no pages "
+                             f"to give back; drop the cache itself to free its buffers")
+
     def release(self) -> None:
         """Give the pages back; every read and step made before, and every later call, is refused."""
-        self.cache.checks.alive("release()")
+        self.check_release()
         self.forget()
         self.cache.storage.store.release()
         self.cache.lifecycle.release()

@@ -583,7 +583,8 @@ class KVCache:
 
     def release(self) -> None:
         """Give this cache's pages (and kept boundaries) back to the pool its branches share; every
-        later call on it is refused, and so is every read or prepared step made before."""
+        later call on it is refused, and so is every read or prepared step made before. Refused
+        (ValueError, nothing changes) for a cache built without ``pages=``: it has no pages to give."""
         self.branches.release()
 
     def export_stream(self, path: str | None = None) -> bytes | None:

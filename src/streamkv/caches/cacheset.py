@@ -178,12 +178,12 @@ class CacheSet:
 
     def release(self) -> None:
         """Give every branch's pages back; all or nothing (a branch released already is refused,
-        naming it, before any is released)."""
+        naming it, before any is released; so is an unpaged one)."""
         for name, cache in self._caches.items():
             try:
-                cache.checks.alive("release()")
-            except RuntimeError as exc:
-                raise RuntimeError(f"branch {name!r}: {exc}") from None
+                cache.branches.check_release()
+            except (RuntimeError, ValueError) as exc:
+                raise type(exc)(f"branch {name!r}: {exc}") from None
         for cache in self._caches.values():
             cache.release()
 

@@ -357,7 +357,9 @@ class KVQuant:
             and scales, which the cache's own state dicts carry.
 
     Every token is quantised once, when its span is committed; it is then read from its codes
-    once it is neither a sink (with ``sinks``) nor among the ``residual`` newest positions.
+    once it is neither a sink (with ``sinks``) nor among the ``residual`` newest positions. A
+    span reopened after its commit reads the residual before it from its codes (released at that
+    commit; reopening does not bring the full-precision rows back).
     """
 
     keys: str = "int8"
