@@ -87,7 +87,7 @@ def _row(**kw):
 
 def test_chart_targets_follow_the_values():
     rows = [_row(shape="self-forcing", mode="eager", key="tova/bf16/tokens:1/4", cache="tova", format="bf16",
-                 ratio_to_full=0.39, cache_work_ratio_to_ring=1.6),
+                 ratio_to_full=0.39, cache_work_ratio_to_ring=1.6, loaded_ratio_to_full=0.78, load_slowdown=2.0),
             _row(shape="self-forcing", mode="eager", key="h2o/bf16/tokens:1/4", cache="h2o", format="bf16",
                  ratio_to_full=0.41, cache_work_ratio_to_ring=1.2),
             _row(shape="self-forcing", mode="eager", key="tier/int8/bytes:1/4", cache="tier", format="int8",
@@ -97,6 +97,8 @@ def test_chart_targets_follow_the_values():
     assert got[("scored_quarter", "h2o/bf16/tokens:1/4")]["met"] is False
     assert got[("cache_work", "tova/bf16/tokens:1/4")]["met"] is False
     assert got[("cache_work", "h2o/bf16/tokens:1/4")]["met"] is True
+    assert got[("loaded", "tova/bf16/tokens:1/4")]["met"] is False  # under load 2x its quiet ratio
+    assert "--load" in got[("loaded", "h2o/bf16/tokens:1/4")]["why_not_measured"]  # timed quietly only
     # a target of a shape the run did not include is listed, not measured
     other = evaluate_chart_targets([{**r, "shape": "smollm2-decode"} for r in rows], ("h2o", "tova"))
     work = [t for t in other if t["target"] == "cache_work"]

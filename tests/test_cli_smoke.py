@@ -69,7 +69,8 @@ SMOKE: dict[str, list[str] | Elsewhere] = {
     # registry, the tier with and without certificates), eager; after lm-eval: SmolLM2 is loaded already
     "chart": ["chart", "--shape", "tiny-video", "--shape", "tiny-decode", "--formats", "bf16,int8", "--budgets",
               "bytes:1/2", "--modes", "eager", "--repeats", "1", "--threads", "1", "--frames", "16", "--lm-tokens",
-              "32", "--lm-layers", "2", "--lm-chunk", "8", "--json", "{tmp}/chart.json", "--plot", "{tmp}/chart.png"],
+              "32", "--lm-layers", "2", "--lm-chunk", "8", "--load", "1", "--json", "{tmp}/chart.json", "--plot",
+              "{tmp}/chart.png"],
 }
 
 #: what each run here writes: file -> the keys the README (and the command's --help) name; "a.b"
@@ -117,7 +118,8 @@ WRITES: dict[str, dict[str, tuple[str, ...]]] = {
     "chart": {"chart.json": ("rows[].ms_per_chunk", "rows[].ratio_to_full", "rows[].bytes", "rows[].bytes_ratio_to_full",
                              "rows[].tokens", "rows[].rel_error_mean", "rows[].error_mean", "rows[].host_syncs_per_chunk",
                              "rows[].allocations_per_chunk", "rows[].allocator_events_per_chunk", "rows[].cache_work_ms",
-                             "rows[].cache_work_ratio_to_ring", "rows[].not_run", "targets[].value", "targets[].met",
+                             "rows[].cache_work_ratio_to_ring", "rows[].load_slowdown", "rows[].loaded_ratio_to_full",
+                             "rows[].not_run", "targets[].value", "targets[].met",
                              "targets[].threshold", "shapes[].timing.foreign_cpu_share",
                              "shapes[].timing.load_average_before", "errors[].rows", "config.rows", "machine.wall_s"),
               "chart.png": ()},
@@ -235,6 +237,10 @@ def _check(command: str, doc: dict) -> None:
             assert all(r["ms_per_chunk"] > 0 and r["rel_error_mean"] > 0 for r in rows.values()), shape
             assert rows["full/bf16/all"]["ratio_to_full"] == 1.0
             assert all(r["host_syncs_per_chunk"] == 0 for r in rows.values()), shape
+            # --load 1: every eager chunk timed again under load, its slowdown the loaded ratio over the quiet one
+            assert all(r["load_slowdown"] == pytest.approx(r["loaded_ratio_to_full"] / r["ratio_to_full"])
+                       for r in rows.values()), shape
+            assert doc["shapes"][shape]["timing"]["load_processes"] == 1
         assert all(t["met"] == (t["value"] <= t["threshold"]) for t in doc["targets"] if t["value"] is not None)
     elif command == "verify":
         assert doc["identical"]["ring"] == doc["comparisons"] > 0

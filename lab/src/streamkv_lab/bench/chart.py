@@ -19,6 +19,11 @@ mode. Counts per steady chunk: host syncs and allocations at the dispatcher
 its captured graph's synchronising ops and the allocator's events during its call, as ``bench``
 counts a compiled write) and the allocator's events of the whole chunk
 (:func:`~streamkv_lab.measure.probe_transient`).
+
+A **loaded machine** (``load`` processes spinning on the CPUs, ``streamkv chart --load N``): the
+eager chunks timed again in rounds of their own, every sample kept; each row's ratio to the full
+cache under load over its quiet ratio is its ``load_slowdown`` (many small ops each wait for a
+CPU: a row's advantage shrinks where its time is in them).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from streamkv.attention import attend
 from streamkv_lab.bench.chart_rows import Geometry, Row, build_row_cache, held_bytes
 from streamkv_lab.bench.reads import load_average, own_code
 from streamkv_lab.bench.shapes import Shape
-from streamkv_lab.measure import Stats, count_compiled, count_dispatch, probe_transient, time_interleaved
+from streamkv_lab.measure import Stats, count_compiled, count_dispatch, probe_transient, spin_load, time_interleaved
 
 __all__ = ["measure_chart_shape", "shape_geometry"]
 
@@ -121,12 +126,15 @@ def _compiled_counts(s: _Subject, fwd: Callable[..., Any], graph_syncs: int) -> 
 
 
 def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, modes: Sequence[str] = ("eager",),
-                        repeats: int = 5, backend: str = "inductor", seed: int = 0,
+                        repeats: int = 5, backend: str = "inductor", seed: int = 0, load: int = 0,
                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every row at ``shape`` (module docstring): ``{"rows": {key: record}, "timing", "notes"}``; a
     record holds per mode ``ms_per_chunk`` (median), its p10/p90, ``ratio_to_full``, the counts,
     and ``cache_work_ms`` / ``cache_work_ratio_to_ring`` where measured; a row the library refuses
-    at this shape holds ``not_run`` (the refusal)."""
+    at this shape holds ``not_run`` (the refusal). ``load``: the eager chunks are timed a second
+    time with that many processes spinning on the CPUs (:func:`~streamkv_lab.measure.spin_load`),
+    every sample kept: ``loaded_ms_per_chunk``, ``loaded_ratio_to_full`` and ``load_slowdown`` (the
+    loaded ratio over the quiet one: what a loaded machine does to the row's advantage)."""
     import torch._dynamo
 
     say = progress or (lambda msg: None)
@@ -175,6 +183,13 @@ def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, m
         load_before = load_average()
         run = time_interleaved(steps, repeats=repeats, device="cpu", warmup=1, warmup_s=0.0)
         load_after = load_average()
+        loaded = None
+        if load:
+            eager_steps = {k: f for k, f in steps.items() if k.endswith("|eager")}
+            say(f"chart {shape.name}: timing {len(eager_steps)} eager chunks with {load} process(es) spinning")
+            with spin_load(load):
+                loaded = time_interleaved(eager_steps, repeats=repeats, device="cpu", warmup=1, warmup_s=0.0,
+                                          keep_contended=True)
     for key, samples in run.samples_ms.items():
         rk, what = key.rsplit("|", 1)
         st = Stats.of(samples)
@@ -187,6 +202,8 @@ def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, m
         out[rk].update(held_bytes(s.cache, s.tier))
         if s.tier is not None:
             out[rk]["certify_seconds"] = s.tier.stats["certify_seconds"]
+    for key, samples in (loaded.samples_ms.items() if loaded is not None else ()):
+        out[key.rsplit("|", 1)[0]]["eager"]["loaded_ms_per_chunk"] = Stats.of(samples).median
     full = out.get("full/bf16/all", {})
     for rec in out.values():
         for mode in modes:
@@ -194,6 +211,11 @@ def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, m
             if m is not None and m.get("ms_per_chunk") is not None:
                 base = full.get(mode, {}).get("ms_per_chunk")
                 m["ratio_to_full"] = m["ms_per_chunk"] / base if base else None
+            if m is not None and m.get("loaded_ms_per_chunk") is not None:
+                base = full.get(mode, {}).get("loaded_ms_per_chunk")
+                m["loaded_ratio_to_full"] = m["loaded_ms_per_chunk"] / base if base else None
+                quiet = m.get("ratio_to_full")
+                m["load_slowdown"] = m["loaded_ratio_to_full"] / quiet if quiet and base else None
         if "bytes" in rec and "bytes" in full:
             rec["bytes_ratio_to_full"] = rec["bytes"] / full["bytes"]
     ring = {k.split("/", 1)[1]: r.get("cache_work_ms") for k, r in out.items() if r["cache"] == "ring"}
@@ -205,4 +227,7 @@ def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, m
     torch._dynamo.reset()
     return {"rows": out, "layers": layers, "modes": list(modes),
             "timing": {**run.to_dict(), "repeats": repeats, "load_average_before": load_before,
-                       "load_average_after": load_after, "threads": torch.get_num_threads()}}
+                       "load_average_after": load_after, "threads": torch.get_num_threads(),
+                       "load_processes": load,
+                       "loaded": None if loaded is None else {"foreign_cpu_share": loaded.foreign_load,
+                                                              "rounds": loaded.rounds}}}

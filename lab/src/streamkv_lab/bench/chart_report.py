@@ -13,7 +13,8 @@ __all__ = ["ROW_KEYS", "CHART_TARGETS", "flat_rows", "evaluate_chart_targets", "
 #: every key of a row of the document's ``rows`` (None where it does not apply or was not measured)
 ROW_KEYS = ("shape", "key", "cache", "format", "budget", "budget_kind", "budget_fraction", "mode", "ms_per_chunk",
             "p10_ms", "p90_ms", "ms_per_chunk_per_layer", "ratio_to_full", "tokens", "bytes", "bytes_ratio_to_full",
-            "cache_work_ms", "cache_work_ratio_to_ring", "host_syncs_per_chunk", "allocations_per_chunk",
+            "cache_work_ms", "cache_work_ratio_to_ring", "loaded_ratio_to_full", "load_slowdown",
+            "host_syncs_per_chunk", "allocations_per_chunk",
             "alloc_bytes_per_chunk", "allocator_events_per_chunk", "recompiles", "error_stream", "error_mean",
             "error_p99", "rel_error_mean", "rel_error_p99", "error_tokens", "error_bytes_ratio_to_full", "not_run")
 
@@ -30,6 +31,9 @@ CHART_TARGETS: tuple[tuple[str, str, str, str, float, tuple[str, ...], tuple[str
      "tier/{fmt}/bytes:1/4", "ratio_to_full", 1.0, (), None),
     ("tier_quarter_certified", "the compressed tier at 1/4 of the bytes with certificates <= 1.5x the full cache's",
      "tier+certificates/{fmt}/bytes:1/4", "ratio_to_full", 1.5, (), None),
+    ("loaded", "under load (processes spinning on the CPUs: --load), TOVA and H2O, the int8 ring and int8 TOVA at 1/4 "
+     "of the tokens: the ratio to the full cache <= 1.5x the quiet ratio", "{kind}/tokens:1/4", "load_slowdown", 1.5,
+     ("tova/bf16", "h2o/bf16", "ring/int8", "tova/int8"), None),
     ("cache_work", "each scored kind's cache work per chunk (begin + writes + scores + commit, no attention) <= 1.5x "
      "the ring's, at the self-forcing shape (bf16, at each token budget)", "{kind}/bf16/{budget}",
      "cache_work_ratio_to_ring", 1.5, ("{scored}",), ("self-forcing",)),
@@ -53,7 +57,8 @@ def flat_rows(shapes: dict[str, Any], errors: dict[str, Any]) -> list[dict[str, 
                 if mode != "eager":
                     row["cache_work_ms"] = row["cache_work_ratio_to_ring"] = None
                 row.update({k: m.get(k) for k in ("ms_per_chunk", "p10_ms", "p90_ms", "ms_per_chunk_per_layer",
-                                                 "ratio_to_full", "host_syncs_per_chunk", "allocations_per_chunk",
+                                                 "ratio_to_full", "loaded_ratio_to_full", "load_slowdown",
+                                                 "host_syncs_per_chunk", "allocations_per_chunk",
                                                  "alloc_bytes_per_chunk", "allocator_events_per_chunk", "recompiles")})
                 row.update(shape=name, mode=mode, error_stream=rec["error_stream"],
                            not_run=r.get("not_run") or m.get("not_run"))
@@ -83,15 +88,16 @@ def evaluate_chart_targets(rows: list[dict[str, Any]], scored: tuple[str, ...]) 
             if where is not None and shape not in where:
                 continue
             for mode in modes:
-                if value == "cache_work_ratio_to_ring" and mode != "eager":
-                    continue  # measured eagerly only (no attention to compile)
+                if value in ("cache_work_ratio_to_ring", "load_slowdown") and mode != "eager":
+                    continue  # measured eagerly only
                 for key in keys:
                     r = by.get((shape, mode, key))
                     v = None if r is None else r[value]
                     why = None
                     if v is None:
                         why = (f"no {shape} shape in this run" if shape not in shapes else "not in this run"
-                               if r is None else (r["not_run"] or "not measured"))
+                               if r is None else (r["not_run"] or ("not timed under load (--load N)"
+                                                                   if value == "load_slowdown" else "not measured")))
                     out.append({"target": name, "text": text, "shape": shape, "mode": mode, "row": key, "value": v,
                                 "threshold": threshold, "met": None if v is None else v <= threshold,
                                 "why_not_measured": why})
@@ -109,10 +115,12 @@ def print_chart(doc: dict[str, Any], console: Any) -> None:
         sh, tm = rec["shape"], rec["timing"]
         rows = [r for r in doc["rows"] if r["shape"] == name]
         modes = rec["modes"]
+        loaded = any(r["load_slowdown"] is not None for r in rows)
         t = Table(title=f"[b]chart at {name}[/]: attention + cache work per chunk, one layer ({sh['heads']} of "
                         f"{sh['model_heads']} kv heads x {sh['head_dim']}, span {sh['span']:,}, full cache "
                         f"{sh['capacity']:,} tokens); error: {rec['error_stream']} stream", title_justify="left")
         for col in ("row", "tokens", "bytes/full", *[f"{m} ms" for m in modes], *[f"{m} /full" for m in modes],
+                    *(("loaded /full", "load slowdown") if loaded else ()),
                     "work/ring", "syncs", "allocs", "rel err mean", "rel err p99"):
             t.add_column(col, justify="left" if col == "row" else "right", no_wrap=True)
         skipped: list[str] = []
@@ -126,7 +134,9 @@ def print_chart(doc: dict[str, Any], console: Any) -> None:
                       _f(first["bytes_ratio_to_full"]),
                       *[_f(rs[m]["ms_per_chunk"], ".3g") if rs[m]["ms_per_chunk"] is not None else
                         "[dim]not run[/]" for m in modes],
-                      *[_f(rs[m]["ratio_to_full"]) for m in modes], _f(first["cache_work_ratio_to_ring"]),
+                      *[_f(rs[m]["ratio_to_full"]) for m in modes],
+                      *((_f(rs["eager"]["loaded_ratio_to_full"]), _f(rs["eager"]["load_slowdown"])) if loaded else ()),
+                      _f(first["cache_work_ratio_to_ring"]),
                       "/".join(_f(rs[m]["host_syncs_per_chunk"], "d") if rs[m]["host_syncs_per_chunk"] is not None
                                else "-" for m in modes),
                       "/".join(_f(rs[m]["allocations_per_chunk"], "d") if rs[m]["allocations_per_chunk"] is not None
@@ -137,7 +147,9 @@ def print_chart(doc: dict[str, Any], console: Any) -> None:
                      f"the same mode; work/ring: cache work without attention over the ring's at the same format and "
                      f"budget; syncs, allocs: host syncs and allocations per steady chunk ({'/'.join(modes)}). load: "
                      f"other processes used {'-' if load is None else f'{load:.0%}'} of the CPUs; load average "
-                     f"{tm.get('load_average_before')} -> {tm.get('load_average_after')}, {tm['threads']} thread(s)")
+                     f"{tm.get('load_average_before')} -> {tm.get('load_average_after')}, {tm['threads']} thread(s)"
+                     + (f"; loaded /full: the eager chunks again with {tm['load_processes']} process(es) spinning on "
+                        f"the CPUs, load slowdown: that ratio over the quiet one" if loaded else ""))
         console.print(t)
         skipped += [f"{r['key']} {r['mode']}: {r['not_run']}" for r in rows
                     if r["ms_per_chunk"] is None and r["not_run"] and not any(x.startswith(r["key"] + ":") for x in skipped)]

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-layers", metavar="LIST", help="SmolLM2 layers of that stream (default 2,10,20,28)")
     p.add_argument("--lm-chunk", type=int, metavar="N", help="its prefill span (default 16; decode: 1)")
     p.add_argument("--threads", type=int, metavar="N", help="torch.set_num_threads for the run (default: torch's)")
+    p.add_argument("--load", type=int, metavar="N",
+                   help="also time the eager chunks with N processes spinning on the CPUs (a loaded machine: each "
+                        "row's ratio to the full cache under load over its quiet ratio; default: not)")
     p.add_argument("--seed", type=int, default=0, help="seed of the timed caches' data (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the document as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the plot: time per chunk against error, a panel per shape (PNG)")
@@ -93,6 +96,11 @@ def _settings(args: argparse.Namespace) -> dict:
     if not budgets or len(set(budgets)) != len(budgets):
         raise UsageError(f"--budgets must be distinct budgets, got {args.budgets!r}")
     modes = parse_modes(args.modes)
+    load = 0 if args.load is None else args.load
+    if not 0 <= load <= 64:
+        raise UsageError(f"--load must be a number of spinning processes, 0 to 64, got {args.load}")
+    if load and "eager" not in modes:
+        raise UsageError("--load times the eager chunks under load, and --modes has no eager")
     if "compile_backend" in given and "compiled" not in modes:
         raise UsageError("--compile-backend: no compiled mode runs (--modes eager); leave it out")
     video = any(s in _VIDEO_SHAPES for s in shapes)
@@ -134,7 +142,8 @@ def _settings(args: argparse.Namespace) -> dict:
                              f"{lm_tokens} tokens, chunk {lm_chunk}")
     return {"shapes": shapes, "caches": caches, "formats": formats, "budgets": budgets, "modes": modes,
             "backend": args.compile_backend or "inductor", "repeats": args.repeats or 5, "layers": args.layers or 1,
-            "frames": frames, "lm_tokens": lm_tokens, "lm_layers": lm_layers, "lm_chunk": lm_chunk, "seed": args.seed}
+            "frames": frames, "lm_tokens": lm_tokens, "lm_layers": lm_layers, "lm_chunk": lm_chunk, "seed": args.seed,
+            "load": load}
 
 
 def check(args: argparse.Namespace) -> None:
@@ -175,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             del stream
         for shape in shapes:
             rec = measure_chart_shape(shape, rows, layers=cfg["layers"], modes=cfg["modes"], repeats=cfg["repeats"],
-                                      backend=cfg["backend"], seed=cfg["seed"], progress=say)
+                                      backend=cfg["backend"], seed=cfg["seed"], load=cfg["load"], progress=say)
             shape_docs[shape.name] = {"shape": shape.to_dict(), "error_stream": stream_key(shape), **rec}
     flat = flat_rows(shape_docs, errors)
     doc = {"schema": "streamkv_lab.chart/1", "argv": ["streamkv", "chart", *_argv(args)], "versions": env,
@@ -199,7 +208,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
     for s in args.shape or []:
         out += ["--shape", s]
     for flag in ("kinds", "formats", "budgets", "modes", "compile_backend", "repeats", "layers", "frames", "lm_tokens",
-                 "lm_layers", "lm_chunk", "threads", "json", "plot"):
+                 "lm_layers", "lm_chunk", "threads", "load", "json", "plot"):
         v = getattr(args, flag)
         if v is not None:
             out += [f"--{flag.replace('_', '-')}", str(v)]

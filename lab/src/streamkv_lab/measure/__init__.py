@@ -25,7 +25,7 @@ hits every subject alike; it reports the whole distribution, not just a median.
 
 from streamkv_lab.measure.counts import CompiledCounts, DispatchCounts, count_compiled, count_dispatch, is_sync_op
 from streamkv_lab.measure.device import check_device, sync
-from streamkv_lab.measure.load import ForeignLoad
+from streamkv_lab.measure.load import ForeignLoad, spin_load
 from streamkv_lab.measure.memory import TransientMemory, page_faults, probe_transient
 from streamkv_lab.measure.timing import Stats, TimingRun, time_interleaved
 from streamkv_lab.measure.written import WrittenBytes, count_written_bytes
@@ -37,6 +37,7 @@ __all__ = [
     "count_dispatch",
     "is_sync_op",
     "ForeignLoad",
+    "spin_load",
     "Stats",
     "TimingRun",
     "TransientMemory",

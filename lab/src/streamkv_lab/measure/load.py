@@ -1,12 +1,37 @@
-"""Contention: the CPU time other processes used while a block ran."""
+"""Contention: the CPU time other processes used while a block ran, and a load to make some."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 
-__all__ = ["ForeignLoad"]
+__all__ = ["ForeignLoad", "spin_load"]
+
+
+@contextlib.contextmanager
+def spin_load(processes: int) -> Iterator[list[subprocess.Popen]]:
+    """A loaded machine for the block: ``processes`` Python processes, each spinning on one CPU
+    (a busy loop, no memory traffic), started before the block and killed after it (also when it
+    raises). ``processes=0``: nothing started."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"spin_load needs a process count >= 0, got {processes!r}")
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(processes):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.2 if procs else 0.0)  # each one past its interpreter's start, spinning
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 class ForeignLoad:

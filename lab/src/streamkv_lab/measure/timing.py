@@ -201,6 +201,7 @@ def time_interleaved(
     warmup_s: float = 0.25,
     max_rounds_factor: int = 3,
     max_time_factor: float = 2.0,
+    keep_contended: bool = False,
 ) -> TimingRun:
     """Time calls of each step, one of each per round, in ms, until every step has
     ``repeats`` clean samples (or ``max_rounds_factor * repeats`` rounds have run).
@@ -218,7 +219,8 @@ def time_interleaved(
     than half of ``repeats`` clean ones: then all its samples are kept and
     ``TimingRun.included`` says so. Extra rounds (to replace contended samples) stop at
     ``max_rounds_factor * repeats`` rounds or ``max_time_factor`` times the time the
-    first ``repeats`` rounds took, whichever comes first.
+    first ``repeats`` rounds took, whichever comes first. ``keep_contended``: a loaded machine is
+    the point (a load the caller made): every sample counts, ``repeats`` rounds run.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -258,8 +260,8 @@ def time_interleaved(
                 ms = timer(steps[name])
                 w1 = delay.read() if delay is not None else None
                 waited = (w1 - w0) / 1e6 if w0 is not None and w1 is not None else 0.0
-                got[name] = (ms, waited <= _tolerated_wait_ms(ms))
-            round_ok = ok and (sentinel is None or sentinel.clean())
+                got[name] = (ms, keep_contended or waited <= _tolerated_wait_ms(ms))
+            round_ok = keep_contended or (ok and (sentinel is None or sentinel.clean()))
             stalled += not round_ok
             for name, (ms, quiet) in got.items():
                 (clean if quiet and round_ok else contended)[name].append(ms)
