@@ -270,10 +270,37 @@ def test_compressed_tier_in_the_comparison():
         rate = t["recalled_tokens"] / (stream.tokens * stream.layers * stream.k[0].shape[2])
         assert t["h2d_self_forcing"] == self_forcing_h2d(rate)
     assert c["compressed_tier"] == min(sweep, key=lambda t: t["error_mean"])
+    for t in sweep:  # where the certificate's distance from the truth comes from, every part >= 0
+        lo = t["looseness"]
+        assert set(lo) == {"evicted_mass_times_gap", "held_tiers_quantisation", "float32_rounding"}
+        assert all(v["over_true_median"] >= 0 for v in lo.values())
+        assert sum(v["dominant_share"] for v in lo.values()) == pytest.approx(1.0)
     s = SELF_FORCING
     h = self_forcing_h2d(1.0)  # recalling as many tokens as the chunk brings: one chunk's K/V of every layer
     assert h["h2d_bytes_per_chunk"] == 4680 * s["layers"] * s["heads"] * 2 * s["head_dim"] * s["bytes_per_element"]
     assert h["h2d_ms_per_chunk"] == pytest.approx(1e3 * h["h2d_bytes_per_chunk"] / 35e9)
+
+
+def test_the_certificates_parts_add_up_to_it():
+    """``_parts``: at each row's largest channel, the evicted mass times the gap, the held tiers'
+    error and the output's rounding, over the true error, are the certificate's own terms."""
+    from types import SimpleNamespace
+
+    from streamkv_lab.experiments.tier import _looseness, _parts
+
+    g = torch.Generator().manual_seed(0)
+    mass, gap, held, eps = (torch.rand(1, 2, 3, *s, generator=g, dtype=torch.float64) for s in ((), (4,), (4,), (4,)))
+    cert = SimpleNamespace(mass=mass, gap=gap, out_error=eps,
+                           error=(mass.unsqueeze(-1) * gap + held + eps) * (1.0 + 2.0**-40))
+    true = torch.tensor([[[0.5, 0.0, 2.0], [1.0, 0.25, 4.0]]], dtype=torch.float64)
+    got = _parts(cert, true)
+    c = cert.error.argmax(-1, keepdim=True)
+    at = lambda x: x.gather(-1, c).squeeze(-1)  # noqa: E731
+    ok = true > 0
+    want = torch.stack([(mass * at(gap))[ok], at(held)[ok], at(eps)[ok]]) / true[ok]
+    assert got.shape == (3, 5) and torch.allclose(got, want, rtol=1e-12, atol=0)
+    lo = _looseness([got])
+    assert lo["held_tiers_quantisation"]["over_true_median"] == pytest.approx(float(want[1].median()))
 
 
 def test_quarter_tier_timed_against_the_full_cache():

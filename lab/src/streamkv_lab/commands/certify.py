@@ -274,6 +274,12 @@ def _real(args: argparse.Namespace) -> int:
                       num(r["ms_per_chunk"], "{:.1f}"), num(r["ms_per_chunk_in_certificates"], "{:.1f}"),
                       f"{sf['h2d_ms_per_chunk']:.2f}", f"{sf['compute_floor_ms_per_chunk']:.1f}")
         con.print(t)
+        for r in d["tier_sweep"]:
+            lo = r.get("looseness")
+            if lo:
+                con.print(f"  {r['label']}: the certificate over the true error, median per part: "
+                          + "; ".join(f"{k.replace('_', ' ')} {v['over_true_median']:.3g}x (largest in "
+                                      f"{v['dominant_share']:.0%} of rows)" for k, v in lo.items()))
         rt = d["ratios"]
         if "compressed_tier_over_tova_mean" in rt:
             con.print(f"  compressed_tier ({d['caches']['compressed_tier']['label']}, the lowest mean error without a "

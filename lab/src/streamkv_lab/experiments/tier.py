@@ -129,6 +129,33 @@ def _rows(x: Tensor, H: int) -> Tensor:
     return x.permute(0, 2, 1, 3).reshape(B, H, (Hq // H) * C, Dv)
 
 
+def _parts(cert, true_max: Tensor) -> Tensor:
+    """Each row's certificate (at its largest channel) in its three parts, over the row's true error
+    ``[3, rows]`` (rows with a true error > 0): the evicted mass times the gap (tier 3), the held
+    tiers' error (tier 2's quantisation: ``error - mass gap - out_error``), and the float32
+    rounding of the certificate's own output (``out_error``)."""
+    c = cert.error.argmax(-1, keepdim=True)
+    at = lambda x: x.gather(-1, c).squeeze(-1)  # noqa: E731
+    evicted = cert.mass * at(cert.gap)
+    rounding = at(cert.out_error)
+    held = at(cert.error) / (1.0 + 2.0**-40) - evicted - rounding
+    ok = true_max > 0
+    return torch.stack([evicted[ok], held[ok].clamp(min=0.0), rounding[ok]]) / true_max[ok]
+
+
+def _looseness(parts: list[Tensor]) -> dict[str, Any] | None:
+    """Where the certificate's distance from the truth comes from: per part (:func:`_parts`), the
+    median over rows of that part over the true error, and the share of rows it dominates."""
+    if not parts:
+        return None
+    p = torch.cat(parts, -1).double()
+    if not p.shape[-1]:
+        return None
+    top = p.argmax(0)
+    return {name: {"over_true_median": float(p[i].median()), "dominant_share": float((top == i).double().mean())}
+            for i, name in enumerate(("evicted_mass_times_gap", "held_tiers_quantisation", "float32_rounding"))}
+
+
 def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: list[Tensor], vranges: list[Tensor],
              probs: list[Tensor]) -> dict[str, Any]:
     """One compressed-tier run at ``budget_bytes`` (see the module docstring); ``probs``: the
@@ -141,7 +168,7 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
     C, T = stream.chunk, stream.tokens
     outs = [torch.empty_like(f) for f in fulls]
     viol = mass_viol = 0
-    tight_e, tight_m, gap_out = [], [], 0.0
+    tight_e, tight_m, gap_out, parts = [], [], 0.0, []
     check_s = 0.0
     t0 = time.perf_counter()
     for c in range(T // C):
@@ -161,6 +188,7 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
             gap_out = max(gap_out, float((_rows(out.double(), H) - cert.out_kept).abs().max()))
             te, ce = true.amax(-1), cert.error.amax(-1)
             tight_e.append((ce[te > 0] / te[te > 0]).flatten())
+            parts.append(_parts(cert, te))
             held = tier.held(layer)  # [H, end]
             p = probs[layer][:, :, sl, : held.shape[1]]  # [B, Hq, C, end]
             p = p.reshape(B, H, -1, C, held.shape[1]).reshape(B, H, -1, held.shape[1])
@@ -190,6 +218,7 @@ def run_tier(stream, cfg: TierConfig, budget_bytes: float, *, sink: int, fulls: 
         "tightness_median": float(te.median()) if te.numel() else None, "certified_steps": tier.stats["steps"],
         "tightness_p95": float(te.quantile(0.95)) if te.numel() else None,
         "mass_tightness_median": float(tm.median()) if tm.numel() else None,
+        "looseness": _looseness(parts),
         "output_vs_certified_output_max": gap_out,
         "recalled_tokens": tier.stats["recalled_tokens"], "recalled_tokens_per_chunk": tier.stats["recalled_tokens"] / chunks,
         "h2d_bytes_per_chunk": sum(spans) / chunks, "h2d_bytes_per_chunk_max": max(spans, default=0),
