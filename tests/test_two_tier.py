@@ -298,7 +298,7 @@ def test_the_certificates_parts_add_up_to_it():
     at = lambda x: x.gather(-1, c).squeeze(-1)  # noqa: E731
     ok = true > 0
     want = torch.stack([(mass * at(gap))[ok], at(held)[ok], at(eps)[ok]]) / true[ok]
-    assert got.shape == (3, 5) and torch.allclose(got, want, rtol=1e-12, atol=0)
+    assert got.shape == (3, 5) and torch.allclose(got, want, rtol=1e-9, atol=0)  # held: + the 2^-40 finishing
     lo = _looseness([got])
     assert lo["held_tiers_quantisation"]["over_true_median"] == pytest.approx(float(want[1].median()))
 

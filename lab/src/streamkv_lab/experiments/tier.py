@@ -132,13 +132,14 @@ def _rows(x: Tensor, H: int) -> Tensor:
 def _parts(cert, true_max: Tensor) -> Tensor:
     """Each row's certificate (at its largest channel) in its three parts, over the row's true error
     ``[3, rows]`` (rows with a true error > 0): the evicted mass times the gap (tier 3), the held
-    tiers' error (tier 2's quantisation: ``error - mass gap - out_error``), and the float32
-    rounding of the certificate's own output (``out_error``)."""
+    tiers' error (tier 2's quantisation: ``error - mass gap - out_error``, with the certificate's
+    float64 finishing margin, ~1e-12 of it), and the float32 rounding of the certificate's own
+    output (``out_error``)."""
     c = cert.error.argmax(-1, keepdim=True)
     at = lambda x: x.gather(-1, c).squeeze(-1)  # noqa: E731
     evicted = cert.mass * at(cert.gap)
     rounding = at(cert.out_error)
-    held = at(cert.error) / (1.0 + 2.0**-40) - evicted - rounding
+    held = at(cert.error) - evicted - rounding
     ok = true_max > 0
     return torch.stack([evicted[ok], held[ok].clamp(min=0.0), rounding[ok]]) / true_max[ok]
 
