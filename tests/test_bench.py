@@ -236,16 +236,22 @@ def test_time_interleaved_times_every_step_repeats_times(monkeypatch):
     assert run.rounds == 7 and run.detector == "none"
 
 
-def test_a_loaded_timing_keeps_every_sample_and_the_load_stops_after():
-    """``keep_contended``: under a load the caller made, every sample counts (no extra rounds), with
-    the run-queue detector on; ``spin_load``'s processes run during the block and are gone after."""
-    from streamkv_lab.measure import spin_load
+def test_a_loaded_timing_keeps_every_sample_and_the_load_stops_after(monkeypatch):
+    """``keep_contended``: under a load the caller made, every sample counts (no extra rounds), where
+    the detector calls every sample contended (as it would under the load: forced here, so that the
+    verdict does not depend on the scheduler); ``spin_load``'s processes run during the block and are
+    gone after."""
+    from streamkv_lab.measure import spin_load, timing
 
+    monkeypatch.setattr(timing, "_tolerated_wait_ms", lambda ms: -1.0)  # every sample waited too long
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # no stall sentinel
+    step = {"a": lambda: sum(range(20_000))}
     with spin_load(2) as procs:
         assert len(procs) == 2 and all(p.poll() is None for p in procs)  # spinning
-        run = time_interleaved({"a": lambda: sum(range(20_000))}, repeats=4, device=CPU, warmup=1, warmup_s=0.0,
-                               keep_contended=True)
+        run = time_interleaved(step, repeats=4, device=CPU, warmup=1, warmup_s=0.0, keep_contended=True)
+        quiet = time_interleaved(step, repeats=4, device=CPU, warmup=1, warmup_s=0.0)
     assert len(run.samples_ms["a"]) == 4 and run.rounds == 4 and run.clean["a"] == 4
+    assert quiet.clean["a"] == 0 and quiet.rounds > 4 and quiet.included["a"]  # the default replaces them
     assert all(p.poll() is not None for p in procs)  # killed and reaped
     with pytest.raises(ValueError, match="process count >= 0, got -1"):
         with spin_load(-1):
