@@ -64,3 +64,36 @@ def test_forgets_what_the_present_ignores():
         if c == 2:
             assert C * 1 in held  # the favourite of the early queries
     assert C * 1 not in held  # gone once the queries turned away
+
+
+@pytest.mark.parametrize("budget", [S + C, S + C + 3, S + W - C])
+def test_ties_and_non_finite_scores_leave_in_position_order(budget):
+    """Scores from three values (ties at the cut-off are the rule) and some NaN
+    (``check_finite=False``: they leave first), given as the attention's statistics: after each
+    commit every head keeps the same set as a full sort by (score, position) -- the selection
+    sorts nothing, and an eviction count below its bound (a budget under the default) or zero
+    (the fill) takes the same path."""
+    cache = TOVACache((1, S + W, H, D), (1, S + W, H, D), seq_dim=1, sink=S, window=W, chunk=C, budget=budget,
+                      dtype=f64, check_finite=False)
+    g = torch.Generator().manual_seed(budget)
+    cap = cache.policy.storage.capacity
+    evicted = 0
+    for c in range(16):
+        k = torch.randn(1, C, H, D, generator=g, dtype=f64)
+        cache.begin_chunk(c)
+        cache.update(k, k)
+        ksum = torch.randint(0, 3, (H, cap), generator=g).to(f64)
+        ksum[torch.rand(H, cap, generator=g) < 0.1] = float("nan")
+        cache.policy.receive(0, None, ksum)
+        pos = cache.slot_positions[0].clone()
+        before = _held(cache)
+        cache.commit_chunk(c)
+        after = _held(cache)
+        for h in range(H):
+            score = {int(p): ksum[h, i].item() for i, p in enumerate(pos[h].tolist()) if p >= 0}
+            score = {p: (-torch.inf if s != s else s) for p, s in score.items()}
+            protected = {x for x in before[h] if x < S or x >= c * C}
+            rest = sorted(before[h] - protected, key=lambda x: (-score[x], -x))
+            assert after[h] == protected | set(rest[: max(0, budget - len(protected))]), (c, h)
+            evicted += len(before[h]) - len(after[h])
+    assert evicted > 0

@@ -149,10 +149,11 @@ class ScoredPolicy(SlotPolicy):
         """``[L, H, cap]`` eviction order: lower leaves first (only candidates are read)."""
         raise NotImplementedError
 
-    def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
-        """``[L, H]``: how many of the candidates (in order) to evict. ``sorted_priority``: the
-        candidates' priorities in eviction order, the first :meth:`most_evicted` of them (all when
-        None; ``inf`` past the candidates); ``candidates``/``protected`` are counts ``[L, H]``."""
+    def wanted(self, sorted_priority: Tensor | None, candidates: Tensor, protected: Tensor) -> Tensor:
+        """``[L, H]``: how many of the candidates (in order) to evict. ``sorted_priority``: every
+        candidate's priority in eviction order (``inf`` past the candidates) when the policy bounds
+        no eviction count (:meth:`most_evicted` None); None when it does: the selection then orders
+        nothing, and the count must follow from ``candidates``/``protected`` (counts ``[L, H]``)."""
         raise NotImplementedError
 
     def on_commit(self, evict: Tensor, priority: Tensor, valid: Tensor, scores: Scores) -> None:
@@ -312,8 +313,9 @@ class ScoredPolicy(SlotPolicy):
 
     def _select(self, start: Tensor, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor | None):
         """Evict, per (layer, head), the first ``n_evict`` candidates in (priority, position) order:
-        a full sort when the policy bounds no eviction count, else a partial one (``topk`` of the
-        bound) and the ties at the last evicted priority resolved by position -- the same set."""
+        a full sort when the policy bounds no eviction count; else no sort at all: the ``n``-th
+        lowest priority found by a selection (:func:`_nth_lowest`), the candidates below it and the
+        oldest of its ties (as many as are still wanted) -- the same set."""
         L = self.layout
         protected = valid & (pos < L.sink)
         if self.protect_newest:
@@ -332,15 +334,15 @@ class ScoredPolicy(SlotPolicy):
             n_evict, need = self._count(sorted_prio, n_cand, protected, free)
             evict = torch.zeros_like(cand).scatter(-1, order, torch.arange(cap, device=pos.device) < n_evict.unsqueeze(-1))
         else:
-            sorted_prio = key.topk(k, dim=-1, largest=False, sorted=True).values  # the k lowest, in order
-            n_evict, need = self._count(sorted_prio, n_cand, protected, free)
-            n_evict = torch.minimum(n_evict, torch.full_like(n_cand, k))
-            last = sorted_prio.gather(-1, (n_evict - 1).clamp(min=0).unsqueeze(-1))  # the n-th lowest priority
+            n_evict, need = self._count(None, n_cand, protected, free)
+            n_evict = torch.minimum(n_evict, torch.full_like(n_cand, k)).unsqueeze(-1)
+            last = _nth_lowest(key, n_evict, k)  # the n-th lowest priority
             below = cand & (key < last)
             ties = cand & (key == last)  # of these, the oldest positions leave (as many as are still wanted)
-            rest = (n_evict - below.sum(-1)).clamp(min=1, max=k).unsqueeze(-1)
-            oldest = torch.where(ties, pos, _BIG).topk(k, dim=-1, largest=False, sorted=True).values
-            evict = (below | (ties & (pos <= oldest.gather(-1, rest - 1)))) & (n_evict > 0).unsqueeze(-1)
+            rest = n_evict - below.sum(-1, keepdim=True)  # >= 1 where n_evict >= 1
+            cut = _nth_lowest(torch.where(ties, pos, _BIG), rest, k)
+            evict = (below | (ties & (pos <= cut))) & (n_evict > 0)
+            n_evict = n_evict.squeeze(-1)
         # without statistics the only bound on the mass that left is the trivial one
         dropped = (key_max * evict).sum(-1) if key_max is not None else evict.any(-1).double()
         return evict, (need > 0).long(), n_evict, dropped
@@ -500,3 +502,15 @@ class KeptNorms(FixedBudget):
         super().check_state(state, end, span, is_open)
         check_scores(f"state dict of a {self.name} cache at end={end}", "norms", state["norms"],
                      finite=self.check_finite)
+
+
+def _nth_lowest(x: Tensor, n: Tensor, k: int) -> Tensor:
+    """``[..., 1]``: the ``n``-th lowest of each row of ``x [..., m]`` (``n [..., 1]`` in ``[1, k]``,
+    ``k <= m``; ``n < 1``: a value below every entry), without a sort: the ``k``-th lowest of the row
+    joined with ``k - n`` entries below every value (``topk`` unsorted is a selection; its largest
+    value is that order statistic, which ``k - n`` smaller entries shift to the ``n``-th of ``x``)."""
+    low, high = ((-math.inf, math.inf) if x.is_floating_point()
+                 else (torch.iinfo(x.dtype).min, torch.iinfo(x.dtype).max))
+    rank = torch.arange(k, device=x.device)
+    pad = torch.where(rank < k - n, low, high).to(x.dtype)
+    return torch.cat([x, pad], dim=-1).topk(k, dim=-1, largest=False, sorted=False).values.amax(-1, keepdim=True)
