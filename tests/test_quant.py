@@ -131,7 +131,6 @@ def test_slots_hold_what_the_format_stores_and_attend_is_exact(kind, fmt):
     g = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{fmt}".encode()))  # fixed per case, whatever the registry
     hist_k, hist_v = {}, {}  # position -> the K/V of its last write
     for c in [0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8]:
-        reopen = c < cache.next_chunk
         cache.begin_chunk(c)
         for step in range(2):
             q, k, v = (torch.randn(B, C, H, D, generator=g) * 3 for _ in range(3))
@@ -152,13 +151,39 @@ def test_slots_hold_what_the_format_stores_and_attend_is_exact(kind, fmt):
                 if p < 0:
                     continue
                 # hot: the open span and the residual newest positions committed before it (a reopened
-                # span was committed: the residual is then the newest positions up to its end)
-                first_hot = end - max(C, residual) if reopen else end - C - residual
+                # span's residual reads its full-precision rows again)
+                first_hot = end - C - residual
                 hot = (quant.sinks and p < SINK) or p >= first_hot
                 for got, hist in ((kx[:, s, h], hist_k[p][:, h]), (vx[:, s, h], hist_v[p][:, h])):
                     want = hist.float() if hot else _round_trip(fmt, hist, basis)
                     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (kind, fmt, c, p, got, want)
         cache.commit_chunk(c)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reopened_span_reads_what_its_first_pass_read(kind):
+    """A chunk written, committed and reopened with the same K/V reads exactly what it read before
+    the commit, the residual before it included (in full precision both times): wherever the commit
+    evicted nothing that the first read saw."""
+    quant = KVQuant("int8", residual=C + 1)
+    cache = _cache(kind, quant)
+    g = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    compared = 0
+    for c in range(7):
+        q, k, v = (torch.randn(B, C, H, D, generator=g) * 3 for _ in range(3))
+        outs = []
+        for _ in range(2):  # the first pass, then the chunk reopened after its commit
+            cache.begin_chunk(c)
+            read = cache.layer(0).update(k, v, q)
+            outs.append((attend(q, read)[0], read.positions.clone()))
+            cache.commit_chunk(c)
+        (first, pos1), (again, pos2) = outs
+        if torch.equal(pos1, pos2) and c * C > SINK:  # nothing the first read saw was evicted
+            assert torch.equal(first, again), (kind, c, (first - again).abs().max())
+            compared += 1
+    if not compared:
+        pytest.skip(f"{kind}: every commit evicted a token the chunk's first read saw")
+    assert compared >= 2, (kind, compared)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

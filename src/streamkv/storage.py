@@ -269,9 +269,12 @@ class KVStorage:
         first ``n`` planned slots (inputs already checked)."""
         self.store.write(layer, k, v, self.where)
 
-    def begin(self, start: int, n: int) -> None:
-        """The span is open and the policy's plan applied: the store's own begin work."""
+    def begin(self, start: int, n: int, advance: bool = True) -> None:
+        """The span is open and the policy's plan applied: the store's own begin work (``advance``
+        False: the last span, reopened after its commit)."""
         self.store.begin(start, n, self.where)
+        if not advance:
+            self.store.reopen(start, self.positions)
 
     def commit(self, start: int, n: int) -> None:
         """The span becomes history: the store's own commit work (before the eviction applies)."""

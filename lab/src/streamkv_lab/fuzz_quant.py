@@ -145,7 +145,7 @@ def _case(rng: random.Random, g: torch.Generator, steps: int) -> tuple[int, int,
             reopen = False
             cache.begin_tokens(rng.randint(1, C))
         start, n = cache.open_span
-        hot |= set(range(start, start + n))
+        hot |= set(range(start - quant.residual if reopen else start, start + n))  # a reopen: its residual again
         for _ in range(rng.randint(1, 2)):
             k, v, q = (torch.randn(1, n, H, D, generator=g) * 2 for _ in range(3))
             if rng.random() < 0.15:  # a refused write changes nothing

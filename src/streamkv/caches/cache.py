@@ -235,7 +235,7 @@ class KVCache:
             if own is not None:  # a forked cache: the span's pages become its own first (copy on write)
                 own()
             plan.apply()
-            self.storage.begin(start, n)  # the store's own begin work (a quantised store's full-precision rows)
+            self.storage.begin(start, n, advance)  # the store's own begin work (a quantised store's full-precision rows)
             self.lifecycle.begin(start, n)
 
         return self._step(apply, change, actions, f"the begin of positions [{start}, {start + n})")

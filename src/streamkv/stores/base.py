@@ -342,6 +342,10 @@ class Store(abc.ABC):
     def begin(self, start: int, n: int, where: WritePlan) -> None:
         """The span ``[start, start + n)`` is open and the plan applied."""
 
+    def reopen(self, start: int, positions: Tensor) -> None:
+        """The span from ``start`` was reopened after its commit (called after :meth:`begin`);
+        ``positions``: the storage's slot positions ``[L|1, H|1, S]``."""
+
     def check_commit(self, start: int, n: int) -> None:
         """Raise ``ValueError`` if the span cannot be committed (checked before anything changes)."""
 

@@ -358,8 +358,8 @@ class KVQuant:
 
     Every token is quantised once, when its span is committed; it is then read from its codes
     once it is neither a sink (with ``sinks``) nor among the ``residual`` newest positions. A
-    span reopened after its commit reads the residual before it from its codes (released at that
-    commit; reopening does not bring the full-precision rows back).
+    span reopened after its commit reads the residual before it in full precision again, as its
+    first pass did.
     """
 
     keys: str = "int8"

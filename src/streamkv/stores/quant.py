@@ -197,6 +197,20 @@ class QuantStore(Store):
         self.hot_row.scatter_(-1, plan.expand(*self.hot_row.shape[:2], n), hp[:n].expand(*self.hot_row.shape[:2], n))
         self._shadow = self._shadowed(where, start, n)
 
+    def reopen(self, start: int, positions: Tensor) -> None:
+        """The residual positions before a reopened span read their full-precision rows again: the
+        span's commit released them to their codes, and their rows are intact (row ``c0 + p %
+        (residual + chunk)``: no span began since, and the span's own rows are others). A position
+        its head evicted at that commit holds no slot and stays gone. The reopened span's reads then
+        equal its first pass's."""
+        lo = max(self.c0, start - self.quant.residual)
+        if lo >= start:
+            return
+        hr = self.hot_row
+        pos = positions if positions.shape[:2] == hr.shape[:2] else positions[:1, :1]  # a shared plan: one map
+        back = (pos >= lo) & (pos < start)
+        hr.copy_(torch.where(back, self.c0 + pos.remainder(self._ring), hr))
+
     def _shadowed(self, where: WritePlan, start: int, n: int) -> tuple | None:
         """The code rows the open span's full-precision rows shadow, where the host knows them: as
         host runs ``(row, rows)`` where every head's span is in the same slots, in host ranges (the
@@ -522,7 +536,7 @@ class QuantStore(Store):
         hr, pos = hr.expand(-1, H, -1), pos.expand(hr.shape[0], H, -1)
         start, r = end - span, self.quant.residual
         # the positions that read hot rows: the residual and the span; an open span reopened after its
-        # commit has had the residual before it released already
+        # commit reads the residual before it again (a state saved by an earlier version: released)
         los = {max(self.c0, end - r)} if not is_open else {max(self.c0, start - r), max(self.c0, min(start, end - r))}
         check = (pos >= 0) | (torch.arange(pos.shape[-1]) < self.c0)
         mismatch = None
