@@ -70,6 +70,9 @@ REFUSED = [
     ("certify --real --datasets smollm2 --video-frames 10", "--video-frames: apply to datasets"),
     ("certify --real --datasets smollm2 --toy-frames 10", "--toy-frames: apply to datasets"),
     ("certify --real --datasets toy --toy-frames 7", "--toy-frames must be a multiple of 2"),
+    # certify --real: a stream whose quarter cannot hold two chunks failed in the library, a traceback
+    ("certify --real --datasets video --video-frames 8", "--video-frames must be >= 9 (a quarter of the stream"),
+    ("certify --real --datasets toy --toy-frames 22", "its context, and a quarter of the stream holding its sinks"),
     ("certify --real --tau 1.5", "--tau must be in the open interval (0, 1), got 1.5"),
     ("certify --real --perplexity --tokens 64", "must hold two chunks beyond the sinks and be < tokens (64)"),
     ("certify --recall-slots 5", "--recall-slots bounds the recall slots: it needs --recall"),
@@ -82,6 +85,10 @@ REFUSED = [
     ("lm-eval --offset 300000", "--offset 300000 + --tokens 16384 pass the end of the text (288962 tokens)"),
     ("lm-eval --kinds ring --taus 0.1", "--taus are the mass cache's: they need 'mass' in --kinds"),
     ("lm-eval --kinds ring,ring", "--kinds must name each kind once"),
+    # lm-eval: an empty memory list ran the full cache alone; repeated values were merged silently
+    ("lm-eval --memory=", "memory must be one or more distinct token counts, got ()"),
+    ("lm-eval --memory 36,36", "memory must be one or more distinct token counts, got (36, 36)"),
+    ("lm-eval --kinds ring,mass --taus 0.1,0.1", "taus must be distinct, got (0.1, 0.1)"),
     # video-eval: found after the model loaded and the full-history stream ran
     ("video-eval --tau 2", "--tau must be in the open interval (0, 1), got 2.0"),
     ("video-eval --frames 1000", "--frames must be <= 256 (the toy model's RoPE horizon), got 1000"),
@@ -110,6 +117,7 @@ REFUSED = [
     ("bench --modes eager", "--modes: options of --read"),
     ("bench --read-shape tiny-video", "--read-shape: options of --read"),
     ("bench --read-queries 1", "--read-queries: options of --read"),
+    ("bench --read --modes eager --compile-backend eager", "--compile-backend: no compiled mode runs"),
     # chart: lists checked against the registries, options of what does not run refused
     ("chart --kinds ring,lru", "--kinds must be distinct names of full, ring"),
     ("chart --formats int3", "--formats must be distinct names of"),
@@ -143,10 +151,33 @@ def test_a_weights_file_that_is_not_safetensors_is_one_line_not_a_traceback(no_w
     assert f"--weights {bad}: not a readable safetensors file" in err and err.count("\n") == 1, err
 
 
+def test_weights_trained_within_the_context_are_refused_by_video_eval(no_work, tmp_path, capsys):
+    """Weights of a training window within the context frames left video-eval no generated frame
+    inside the horizon: it wrote NaN into its JSON and exited 0."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from streamkv_lab.video.config import CONTEXT_FRAMES
+
+    for frames, rc in ((CONTEXT_FRAMES, 2), (CONTEXT_FRAMES + 2, None)):
+        w = tmp_path / f"toy{frames}.safetensors"
+        save_file({"x": torch.zeros(1)}, str(w), metadata={"streamkv": json.dumps({"frames": frames})})
+        if rc is None:  # one chunk past the context: the checks pass it on to the work
+            with pytest.raises(AssertionError, match="work started"):
+                main(["video-eval", "--weights", str(w)])
+            continue
+        assert main(["video-eval", "--weights", str(w)]) == rc
+        err = capsys.readouterr().err
+        assert f"trained on {frames}-frame windows, within the {CONTEXT_FRAMES} context frames" in err, err
+        assert err.count("\n") == 1
+
+
 VALID = [  # each reaches its work: the checks refuse nothing the commands can run
     "fuzz --calls 1 --layouts 1", "verify", "pareto", "budget", "certify", "certify --pool-events 0",
     "certify --cache mass --budget-tau 0.2", "certify --recall --recall-slots 5", "certify --sketch-bits 8",
-    "certify --real", "certify --real --datasets video --video-frames 8 --seed 1",
+    "certify --real", "certify --real --datasets video --video-frames 9 --seed 1",
     "lm-eval --quick --kinds ring,mass --taus 0.1", "video-eval", "train-toy --frames 16",
     "rollout", "rollout --compare --tau 0.1", "rollout --cache mass --tau 0.1", "rollout --model diffusers-wan",
     "bench --read", "bench --read --read-queries 1", "bench --read --read-shape tiny-decode --modes compiled --compile-backend eager",

@@ -203,6 +203,27 @@ def test_cli_real_writes_the_promised_json(tmp_path, capsys):
     assert "ring / two_tier error" in out and "at a quarter of the full cache's bytes" in out
 
 
+def test_cli_real_runs_at_its_fewest_frames_and_refuses_one_fewer(tmp_path, capsys):
+    """The smallest streams the checks accept run to the end (one frame fewer failed in the library,
+    a traceback); one fewer is a usage error."""
+    from streamkv.models.config import get_config
+    from streamkv_lab.experiments.qkv import QKVConfig
+    from streamkv_lab.experiments.twotier import least_frames
+    from streamkv_lab.video.config import CONTEXT_FRAMES
+
+    tpf, toy = QKVConfig().tokens_per_frame, get_config("toy")
+    fewest = {"video": least_frames("video", tpf, tpf),
+              "toy": max(CONTEXT_FRAMES + 1, least_frames("toy", toy.tokens_per_frame, toy.chunk_tokens))}
+    fewest["toy"] += fewest["toy"] % toy.frames_per_chunk
+    for name, n in fewest.items():
+        step = 1 if name == "video" else toy.frames_per_chunk
+        for frames, rc in ((n, 0), (n - step, 2)):
+            argv = ["certify", "--real", "--datasets", name, f"--{name}-frames", str(frames),
+                    "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+            assert main(argv) == rc, (name, frames)
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_cli_real_fails_fast_on_bad_arguments(capsys):
     for argv in (["--datasets", "imagenet"], ["--lm-layers", "2,40"], ["--tokens", "1000", "--lm-chunk", "16"],
                  ["--video-frames", "0"]):

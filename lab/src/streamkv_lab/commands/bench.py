@@ -78,7 +78,8 @@ def check(args: argparse.Namespace) -> None:
                              f"compiled paths are the CPU's); leave --device out")
         if args.read_queries is not None and args.read_queries < 1:
             raise UsageError(f"--read-queries must be >= 1 (query rows of the span), got {args.read_queries}")
-        parse_modes(args.modes)
+        if "compiled" not in parse_modes(args.modes) and "compile_backend" in given:
+            raise UsageError("--compile-backend: no compiled mode runs (--modes eager); leave it out")
         return
     wrong = [n for n in _READ_ONLY if n in given]
     if wrong:

@@ -134,17 +134,29 @@ def check(args: argparse.Namespace) -> None:
             raise UsageError(f"{_flags(unused)}: apply to datasets (or --perplexity) this run does not include "
                              f"(--datasets {args.datasets}); leave them out")
         _lm_layers(args)
+        from streamkv_lab.experiments.twotier import least_frames
+
+        if "video" in names:
+            from streamkv_lab.experiments.qkv import QKVConfig
+
+            per_frame = QKVConfig().tokens_per_frame  # a chunk per frame
+            least = least_frames("video", per_frame, per_frame)
+            if args.video_frames < least:
+                raise UsageError(f"--video-frames must be >= {least} (a quarter of the stream holds the sinks and two "
+                                 f"one-frame chunks), got {args.video_frames}")
         if "toy" in names:
             from streamkv_lab.commands._common import toy_weights_horizon
             from streamkv_lab.video.config import CONTEXT_FRAMES
             from streamkv.models.config import get_config
 
             toy = get_config("toy")
-            if (args.toy_frames % toy.frames_per_chunk or args.toy_frames <= CONTEXT_FRAMES
+            least = max(CONTEXT_FRAMES + 1, least_frames("toy", toy.tokens_per_frame, toy.chunk_tokens))
+            if (args.toy_frames % toy.frames_per_chunk or args.toy_frames < least
                     or args.toy_frames + toy.sink_frames > toy.max_frames):
                 raise UsageError(f"--toy-frames must be a multiple of {toy.frames_per_chunk} (the toy model's chunk), "
-                                 f"> {CONTEXT_FRAMES} (its context) and <= {toy.max_frames - toy.sink_frames} (its "
-                                 f"RoPE horizon), got {args.toy_frames}")
+                                 f">= {least} (its context, and a quarter of the stream holding its sinks and two "
+                                 f"chunks) and <= {toy.max_frames - toy.sink_frames} (its RoPE horizon), "
+                                 f"got {args.toy_frames}")
             toy_weights_horizon(None, flag="the toy video model's weights")
         if args.tokens % args.lm_chunk or args.tokens > 8192:
             raise UsageError(f"--tokens must be a multiple of --lm-chunk and <= 8192 (the trained context), "

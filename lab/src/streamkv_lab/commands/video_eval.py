@@ -41,6 +41,10 @@ def check(args: argparse.Namespace):
     from streamkv_lab.video.toy import toy_config
 
     horizon = toy_weights_horizon(args.weights)
+    if horizon <= CONTEXT_FRAMES:
+        raise UsageError(f"--weights {args.weights or 'the packaged weights'}: trained on {horizon}-frame windows, within "
+                         f"the {CONTEXT_FRAMES} context frames: no generated frame falls within the training horizon, "
+                         f"where the evaluation compares the caches (train-toy --frames > {CONTEXT_FRAMES})")
     if not (isinstance(args.tau, float) and math.isfinite(args.tau) and 0 < args.tau < 1):
         raise UsageError(f"--tau must be in the open interval (0, 1), got {args.tau}")
     top = toy_config().max_frames

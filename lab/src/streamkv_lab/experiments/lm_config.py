@@ -46,6 +46,11 @@ class LMEvalConfig:
             raise ValueError(f"chunks must be distinct ints >= 1, got {self.chunks}")
         check_kinds(self.kinds, compared_kinds())
         C = max(self.chunks)
+        if not self.memory or len(set(self.memory)) != len(self.memory):
+            raise ValueError(f"memory must be one or more distinct token counts, got {self.memory}")
+        for name in ("taus", "oracle_taus"):
+            if len(set(getattr(self, name))) != len(getattr(self, name)):
+                raise ValueError(f"{name} must be distinct, got {getattr(self, name)}")
         for m in self.memory:
             if not self.sink + 2 * C <= m < self.segment:
                 raise ValueError(f"memory {m}: must hold the {self.sink} sinks and two chunks of {C} (scored kinds keep "

@@ -45,7 +45,7 @@ from streamkv.certify import Certifier, HistoryCheck
 from streamkv_lab.kinds import kind_params, scored_kinds
 
 __all__ = ["Stream", "smollm2_stream", "video_stream", "TwoTierConfig", "run_two_tier", "run_real", "plot_real",
-           "DEFAULT_CONFIGS"]
+           "DEFAULT_CONFIGS", "least_frames"]
 
 
 @dataclass
@@ -370,6 +370,15 @@ def tier_configs() -> dict[str, tuple[Any, ...]]:
     toy = (*(TierConfig(fmt="int8", fp_fraction=s, recall_fraction=0.15) for s in (0.6, 0.75, 0.9)),
            TierConfig(fmt="int4", fp_fraction=0.75, recall_fraction=0.15))
     return {"smollm2": sweep, "video": sweep, "toy": toy}
+
+
+def least_frames(name: str, tokens_per_frame: int, chunk: int) -> int:
+    """The fewest frames of dataset ``name``'s stream (``tokens_per_frame``, chunks of ``chunk``
+    tokens) that :func:`run_real` can run: a quarter of its tokens must hold the sinks of its
+    configurations and two chunks (the ring and TOVA at a quarter of the bytes:
+    :func:`~.tier.run_quarter`; TOVA protects the newest chunk and needs room for the next)."""
+    sink = max(c.sink for c in DEFAULT_CONFIGS[name])
+    return -(-4 * (sink + 2 * chunk) // tokens_per_frame)
 
 
 def run_real(streams: dict[str, Callable[[], Stream]],
