@@ -169,6 +169,7 @@ class ScoredPolicy(SlotPolicy):
         L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
         self._arange_c = torch.arange(C, device=dev)
         self._window_idx = torch.arange(layout.sink, cap, device=dev)
+        self._window_count = torch.arange(1, cap - layout.sink + 1, device=dev)  # window slots up to each
         self._key_max = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
         self._key_sum = torch.zeros((L, H, cap), dtype=torch.float64, device=dev)
         # per layer: 1 once attention delivered the statistics since the layer's last write;
@@ -235,8 +236,8 @@ class ScoredPolicy(SlotPolicy):
                 plan[..., :n_sink] = pos[:n_sink]
             if n_win:  # each window slot's rank: the free ones by index, then the held ones by index
                 free = st.positions[..., S : st.capacity] < 0  # [L, H, W]
-                n_free = free.sum(-1, keepdim=True)
-                rank = torch.where(free, free.cumsum(-1), n_free + (~free).cumsum(-1)) - 1
+                ahead = free.cumsum(-1)  # free slots up to each (a held one: held ones up to it, index + 1 - that)
+                rank = torch.where(free, ahead, ahead[..., -1:] + self._window_count - ahead) - 1
                 dest = torch.where(rank < n_win, rank, n_win)  # the first n_win ranks; the rest into a spare column
                 got = torch.empty((*free.shape[:-1], n_win + 1), dtype=torch.long, device=free.device)
                 plan[..., n_sink:] = got.scatter_(-1, dest, self._window_idx.expand_as(dest))[..., :n_win]
@@ -282,9 +283,8 @@ class ScoredPolicy(SlotPolicy):
         stored = self._queries if self.needs_queries and all(has_q) else None
         scores = Scores(pos, valid, start, n, key_max, key_sum, st, stored)
         prio = self.priority(scores)
-        held = torch.where(valid, prio, 0.0)
         if self.check_finite:
-            finite = torch.isfinite(held).all(dim=(-1, -2))
+            finite = torch.isfinite(torch.where(valid, prio, 0.0)).all(dim=(-1, -2))
             if not bool(finite.all()):  # one read-back per commit (check_finite=False: none)
                 bad = (~finite).nonzero().flatten().tolist()
                 raise ValueError(
