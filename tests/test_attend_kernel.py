@@ -142,6 +142,32 @@ def test_interpreter_a_scored_cache_with_holes(policy, interpreter):
 
 
 @interpreted
+def test_interpreter_far_into_the_stream_in_float32(interpreter):
+    """``absolute`` RoPE at read a million tokens on (a key's limb angles of ~1e5 rad): the kernel
+    reduces its float64 angles before taking them in float32, as the block loop's tables do; taken
+    unreduced they were off by up to 0.03 rad (1e-3 on the output)."""
+    import dataclasses
+
+    rope = RopeAtRead(Rope1D(D, theta=100.0), position_map("absolute"))
+    cache = KVCache((1, SINK + WINDOW, H, D), (1, SINK + WINDOW, H, D), seq_dim=1, sink=SINK, window=WINDOW,
+                    chunk=CHUNK, policy="ring", dtype=torch.float32, rope_at_read=rope)
+    g = torch.Generator().manual_seed(8)
+    for c in range(5):
+        q, k, v = (x.float() for x in _chunk(g))
+        cache.begin_chunk(c)
+        read = cache.layer(0).update(k, v)
+        if c < 4:
+            cache.commit_chunk(c)
+    shift = 1_000_003
+    far = dataclasses.replace(read, positions=torch.where(read.positions >= SINK, read.positions + shift, read.positions),
+                              query_positions=read.query_positions + shift)
+    want, _ = attend(q, far, kernel="blocks")
+    got, info = attend(q, far, kernel="triton")
+    assert info.kernel == "triton"
+    _same(got, want, tol=2e-6)
+
+
+@interpreted
 def test_interpreter_a_forked_paged_branch(interpreter):
     """A branch whose pages moved (written after the fork) reads through its page table."""
     root = _cache(pages={"spare": 16})

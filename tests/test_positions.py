@@ -125,6 +125,46 @@ def _far(read, shift=SHIFT):
     return dataclasses.replace(read, positions=pos, query_positions=read.query_positions + shift)
 
 
+def _frame_rope():
+    return FrameRope(Rope3D(24, 2, 3, max_frames=64))
+
+
+# shifts whose low limbs are not 0 (2**40 itself is one limb: small angles)
+@pytest.mark.parametrize("make_rotary, shift", [(lambda: Rope1D(8, theta=100.0), 1_000_003),
+                                                (lambda: Rope1D(8, theta=100.0), SHIFT + (1 << 18) - 1),
+                                                (_frame_rope, 6 * ((1 << 38) + 43_690))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_reads_far_into_the_stream_keep_their_dtypes_rounding(make_rotary, shift, dtype):
+    """``absolute`` rotates far keys by angles of up to ~1e6 rad (the limb sums): taken in float32
+    unreduced they were off by up to 0.03 rad, a read 1e-3 to 2e-2 from the truth where float32
+    rounding is 2e-7. A float32 (bf16) cache's read, far into the stream, against the float64
+    cache's read of the same values: within the read's own rounding near the stream's start."""
+    rot = make_rotary()
+    D, unit = rot.head_dim, rot.tokens_per_unit
+    sink, chunk = 2 * unit, unit
+    g = torch.Generator().manual_seed(7)
+    reads = {}
+    for dt in (dtype, torch.float64):
+        c = RingCache((1, sink + 4 * chunk, 2, D), (1, sink + 4 * chunk, 2, D), seq_dim=1, sink=sink,
+                      window=4 * chunk, chunk=chunk, dtype=dt, rope_at_read=RopeAtRead(rot, position_map("absolute")))
+        g.manual_seed(7)
+        for i in range(7):
+            q, k, v = (torch.randn(1, chunk, 2, D, generator=g).to(dtype).to(dt) for _ in range(3))
+            c.begin_chunk(i)
+            read = c.layer(0).update(k, v)
+            if i < 6:
+                c.commit_chunk(i)
+        reads[dt] = (q, read)
+    errs = []
+    for s in (0, shift):
+        (q32, r32), (q64, r64) = reads[dtype], reads[torch.float64]
+        far = lambda r: dataclasses.replace(r, positions=torch.where(r.positions >= sink, r.positions + s, r.positions),
+                                            query_positions=r.query_positions + s)
+        errs.append((attend(q32, far(r32))[0].double() - attend(q64, far(r64))[0]).abs().max().item())
+    near, far_err = errs
+    assert far_err <= 4 * near + 8 * torch.finfo(dtype).eps, (near, far_err)
+
+
 @pytest.mark.parametrize("name", [m for m, k in POSITION_MAPS.items() if k.bounded])
 def test_bounded_maps_are_exact_2_pow_40_tokens_on(name):
     _, read, q, _ = _stream_read(name)

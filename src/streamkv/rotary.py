@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .compiled import compile_kernel, may_compile
 
-__all__ = ["ANGLE_ERROR", "FrameRope", "Rope1D", "Rotary", "exact_angles", "limb_residues"]
+__all__ = ["ANGLE_ERROR", "FrameRope", "Rope1D", "Rotary", "exact_angles", "limb_residues", "narrowed"]
 
 #: bound (radians) on the error of :func:`exact_angles` for integer offsets ``|d| < 2**53``
 ANGLE_ERROR = 2e-9
@@ -76,6 +76,19 @@ def exact_angles(delta: Tensor, freqs: Tensor, residues: Tensor) -> Tensor:
     return torch.where(delta.unsqueeze(-1) < 0, -ang, ang)
 
 
+_TWO_PI = float(2 * _PI)
+
+
+def narrowed(ang: Tensor, dtype: torch.dtype) -> Tensor:
+    """Float64 angles taken in ``dtype`` for its tables: reduced to ``[0, 2 pi)`` first where
+    ``dtype`` is narrower (a float32 angle of ``1e6`` rad is off by up to half its ulp, 0.03 rad;
+    the reduced one by float32 rounding only, the float64 reduction adding about ``|ang| 2^-52``,
+    below 1e-9 rad for every limb sum); float64 angles as they are (their cos/sin reduce exactly)."""
+    if dtype == torch.float64:
+        return ang
+    return (ang - _TWO_PI * torch.floor(ang / _TWO_PI)).to(dtype)
+
+
 #: elements per block from which a CPU rotation runs compiled (smaller ones: eager ops)
 COMPILE_MIN = 1 << 18
 _ROTATE: dict[str, object] = {}
@@ -106,7 +119,7 @@ def _compiled_cos_sin(dtype: torch.dtype):
     compile here."""
     if dtype not in _COS_SIN:
         def cos_sin(delta: Tensor, freqs: Tensor, residues: Tensor) -> tuple[Tensor, Tensor]:
-            ang = exact_angles(delta, freqs, residues).to(dtype)
+            ang = narrowed(exact_angles(delta, freqs, residues), dtype)
             return ang.cos(), ang.sin()
         _COS_SIN[dtype] = compile_kernel(cos_sin, f"cos_sin_{str(dtype).removeprefix('torch.')}")
     return _COS_SIN[dtype]
@@ -130,9 +143,10 @@ class Rotary:
 
     def cos_sin(self, delta: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``cos``/``sin`` ``[..., D/2]`` in ``dtype`` of :meth:`angles` (angles computed in
-        float64, then taken in ``dtype``: float64 tables for float64 reads, float32 ones for
-        float32 / bf16 / fp16 reads, whose keys are rounded far more coarsely)."""
-        ang = self.angles(delta, positions).to(dtype)
+        float64, then taken in ``dtype`` (:func:`narrowed`: reduced mod ``2 pi`` first): float64
+        tables for float64 reads, float32 ones for float32 / bf16 / fp16 reads, whose keys are
+        rounded far more coarsely)."""
+        ang = narrowed(self.angles(delta, positions), dtype)
         return ang.cos(), ang.sin()
 
     def to(self, device: torch.device) -> Rotary:  # pragma: no cover - interface
@@ -317,12 +331,13 @@ class FrameRope(Rotary):
             within = torch.arange(self.tokens_per_unit, device=self.time_freqs.device)
             row, col = within // self.grid_w, within % self.grid_w
             hw = torch.cat([row.to(torch.float64).unsqueeze(-1) * self.hw_freqs[0],
-                            col.to(torch.float64).unsqueeze(-1) * self.hw_freqs[1]], dim=-1).to(dtype)
+                            col.to(torch.float64).unsqueeze(-1) * self.hw_freqs[1]], dim=-1)
+            hw = narrowed(hw, dtype)
             tables = (hw.cos(), hw.sin())
             if not hasattr(self, "_hw_tables"):
                 self._hw_tables = {}
             self._hw_tables[dtype] = tables
-        t = exact_angles(delta, self.time_freqs, self.residues).to(dtype)
+        t = narrowed(exact_angles(delta, self.time_freqs, self.residues), dtype)
         idx = positions.clamp_min(0) % self.tokens_per_unit
         hc, hs = (tab[idx] for tab in tables)
         return torch.cat([t.cos(), hc], dim=-1), torch.cat([t.sin(), hs], dim=-1)

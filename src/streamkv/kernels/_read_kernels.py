@@ -114,6 +114,8 @@ def _key_block(K, KS, sk_r, sk_h, sk_n, sk_w, sks_r, sks_h, sks_n, sks_g,
             r2 = tl.load(RES + 2 * F_MOVE + j, mask=move, other=0.0)
             ang = c0[:, None] * r0[None, :] + c1[:, None] * r1[None, :] + c2[:, None] * r2[None, :]
             ang = tl.where((u < 0)[:, None], -ang, ang)
+        if ACC != tl.float64:  # reduced mod 2 pi in float64 first (streamkv.rotary.narrowed)
+            ang = ang - 6.283185307179586 * tl.floor(ang / 6.283185307179586)
         ang = ang.to(ACC)
         cs = tl.cos(ang)
         sn = tl.sin(ang)

@@ -35,7 +35,8 @@ Launches (per read):
 Rounding: scores and the softmax in float32 (float64 for float64 queries), the two products in
 the queries' dtype (decoded or rotated keys rounded to it, as the reference's fused block does;
 float32 and float64 products in IEEE precision, not TF32), rotation angles from the limbs in
-float64 then taken in float32 (float64) as :meth:`~streamkv.rotary.Rotary.cos_sin` takes them,
+float64 then taken in float32, reduced mod 2 pi first (float64: as they are), as
+:meth:`~streamkv.rotary.Rotary.cos_sin` takes them,
 statistics summed in float64.
 
 Where it differs from :func:`~streamkv.blockread.read_blocks` (both on purpose): a hidden row
