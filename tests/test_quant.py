@@ -343,20 +343,23 @@ def test_fuzz_hook():
 @pytest.mark.parametrize("quant", ["int8", KVQuant("int4", residual=3), KVQuant("fp8", sinks=False)],
                          ids=["int8", "int4-r3", "fp8-qsinks"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_stored_reads_every_held_slot_as_the_cache_holds_it(kind, quant, paged):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_stored_reads_every_held_slot_as_the_cache_holds_it(kind, quant, paged, dtype):
     """``KVRead.stored()`` of a quantised cache: a hot slot (sink, open span, residual) is its
     full-precision row, not the stale code row of the same slot; = ``cache.keys()`` / ``values()``
-    on every held slot, at every step (a fork mid-stream: read through the page table)."""
+    on every held slot, at every step (a fork mid-stream: read through the page table); a 16-bit
+    cache's in float32, which holds its rows and its decoded codes alike (it failed on the two)."""
     g = torch.Generator().manual_seed(0)
     c = KVCache((1, 10, 2, 4), (1, 10, 2, 4), seq_dim=1, sink=2, window=8, chunk=2, policy=kind,
-                dtype=torch.float64, quant=quant, pages=True if paged else None, **params(kind))
+                dtype=dtype, quant=quant, pages=True if paged else None, **params(kind))
     for t in range(7):
         if paged and t == 3:
             (c,) = c.fork()
         c.begin_chunk(c.next_chunk)
-        q, k, v = (torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
         r = c.layer(0).update(k, v, q)
         ks, vs = r.stored()
+        assert ks.dtype == vs.dtype == torch.promote_types(dtype, torch.float32)
         held = (c.slot_positions[0] >= 0).T[None, :, :, None].expand_as(ks)
         assert torch.equal(ks[held], c.keys(0)[held]) and torch.equal(vs[held], c.values(0)[held]), t
         attend(q, r)

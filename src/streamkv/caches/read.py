@@ -26,6 +26,8 @@ cache-relative RoPE) exists only where every head holds the same positions; else
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -164,7 +166,8 @@ class KVRead:
     def stored(self) -> tuple[Tensor, Tensor]:
         """The keys and values every slot holds, as stored (layer layout, every slot; raw keys of a
         cache that rotates at read stay raw): the buffers themselves for one dense segment, else a
-        decoded copy (codes decoded, rotated back from their storage basis). Rows an observer adds
+        decoded copy (codes decoded, rotated back from their storage basis; in float32 where a 16-bit
+        cache's codes decode to values its dtype may not hold, every row exact). Rows an observer adds
         (a compressed tier) are not slots and are left out. Refused for a stale read."""
         segs = self.segments()
         if len(segs) == 1 and segs[0].contiguous and segs[0].slots == 0:
@@ -181,9 +184,11 @@ class KVRead:
                 basis = seg.k_basis if which == 0 else seg.v_basis
                 if basis is not None:
                     x = x @ basis.to(x.dtype)
-                if dest is None:
-                    dest = torch.zeros((*x.shape[:-2], S + 1, x.shape[-1]), dtype=x.dtype, device=x.device)
                 rows.append((x, slots, seg.positions.expand_as(slots) >= 0))
+            if rows:  # decoded codes (float32) beside full-precision rows (the cache's dtype): the wider holds both
+                x = rows[0][0]
+                wide = functools.reduce(torch.promote_types, (r[0].dtype for r in rows))
+                dest = torch.zeros((*x.shape[:-2], S + 1, x.shape[-1]), dtype=wide, device=x.device)
             # Two segments may name one slot (a quantised store's codes and its full-precision row of
             # a hot slot: only the hot row holds the slot's token, the code row is stale). Rows that
             # hold a position are scattered last, so a slot reads the row that holds its token; rows of
@@ -194,7 +199,7 @@ class KVRead:
                     shape = [1] * (x.dim() - 2) + [idx.shape[-1], 1]
                     if ha is not None:
                         shape[ha] = idx.shape[0]
-                    dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x)
+                    dest.scatter_(-2, (idx[:1] if ha is None else idx).view(shape).expand_as(x), x.to(dest.dtype))
             out.append(self.dims.from_attention(dest[..., :S, :]))
         return out[0], out[1]
 
