@@ -328,6 +328,25 @@ def test_beam_search_crop_and_batch_changes_are_refused():
             call()
 
 
+def test_use_cache_false_and_assisted_decoding_are_refused_by_name_before_any_forward():
+    """generate(use_cache=False) fed the whole sequence again at its second step, and assisted
+    decoding crops rejected drafts: each was refused only after the prefill had advanced the cache
+    (with a message about the forward's length). Now by name, the cache unchanged."""
+    base = tiny("llama")
+    ours = with_attention(base, "streamkv")
+    prompt = torch.tensor([[5, 6, 7]])
+    assistant = with_attention(tiny("llama"), "sdpa")
+    for kw, message in ((dict(use_cache=False), r"generate\(use_cache=False\)"),
+                        (dict(prompt_lookup_num_tokens=2), r"speculative decoding \(generate\(\) with prompt_lookup_num_tokens=2\)"),
+                        (dict(assistant_model=assistant), r"speculative decoding \(generate\(\) with an assistant model\)")):
+        cache = build_cache(ours.config, "ring", sink=2, window=8, chunk=4)
+        before = snapshot(cache)
+        with pytest.raises(RuntimeError, match=message):
+            ours.generate(prompt, cache=cache, max_new_tokens=3, do_sample=False, **kw)
+        assert_same_state(before, snapshot(cache))
+        assert cache.get_seq_length() == 0
+
+
 def test_beam_search_and_a_batch_generate_does_not_run_are_refused_by_name_before_any_forward():
     """generate(num_beams=2) expands the batch before the first forward: refused as beam search
     (not as a batch mismatch) whatever batch the cache was built for, and num_return_sequences

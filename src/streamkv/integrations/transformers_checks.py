@@ -161,10 +161,10 @@ def _generate_code() -> Any:
     return inspect.unwrap(GenerationMixin.generate).__code__
 
 
-def generate_call() -> tuple[Any, Tensor, dict[str, Any]] | None:
+def generate_call() -> tuple[Any, Tensor, dict[str, Any], Any] | None:
     """The transformers ``generate()`` call running on this thread, found on the Python stack
     (its frame is ``GenerationMixin.generate``'s code): ``(generation_config, input_ids,
-    model_kwargs)`` as that call holds them (``input_ids`` already expanded for
+    model_kwargs, assistant_model)`` as that call holds them (``input_ids`` already expanded for
     ``num_beams`` / ``num_return_sequences``), or None (not inside ``generate()``, or a
     transformers whose ``generate`` keeps other names: the checks that use it are then skipped).
     Read only, once per ``generate()`` call (:class:`GenerateChecks`): it never changes what runs."""
@@ -178,7 +178,7 @@ def generate_call() -> tuple[Any, Tensor, dict[str, Any]] | None:
             cfg, ids, kwargs = loc.get("generation_config"), loc.get("input_ids"), loc.get("model_kwargs")
             if cfg is None or not isinstance(ids, Tensor) or not isinstance(kwargs, dict):
                 return None
-            return cfg, ids, kwargs
+            return cfg, ids, kwargs, loc.get("assistant_model")
         frame = frame.f_back
     return None
 
@@ -191,6 +191,9 @@ class GenerateChecks:
 
     - beam search (``num_beams > 1``): one stream per batch row, and beams reorder rows after
       every step (``reorder_cache``), which evicted tokens cannot follow;
+    - ``use_cache=False`` (every step feeds the whole sequence again), and assisted or
+      speculative decoding (a prompt lookup, an assistant model, early exit: rejected drafts are
+      cropped, which evicted tokens cannot undo);
     - a batch the cache was not built for (``generate()`` runs ``batch x num_return_sequences``
       rows);
     - a call whose input does not extend the stream the cache holds. transformers' ``generate()``
@@ -217,7 +220,7 @@ class GenerateChecks:
         call = generate_call()
         if call is None:
             return
-        cfg, ids, kwargs = call
+        cfg, ids, kwargs, assistant = call
         name = type(self).__name__
         beams = getattr(cfg, "num_beams", 1) or 1
         if beams > 1:
@@ -225,6 +228,17 @@ class GenerateChecks:
                 f"{name} does not support beam search (generate(num_beams={beams})): it holds one stream per batch "
                 f"row, and beams reorder rows after every step (reorder_cache), which evicted tokens cannot follow; "
                 f"use greedy decoding or sampling (num_beams=1)")
+        if getattr(cfg, "use_cache", True) is False:
+            raise RuntimeError(
+                f"{name} does not support generate(use_cache=False): every step then feeds the whole sequence "
+                f"again, where a cache holds a stream that each forward extends; leave use_cache at True, or "
+                f"pass no cache")
+        asked = [f"{k}={getattr(cfg, k)}" for k in ("prompt_lookup_num_tokens", "assistant_early_exit")
+                 if getattr(cfg, k, None)] + (["an assistant model"] if assistant is not None else [])
+        if asked:
+            raise RuntimeError(
+                f"{name} does not support assisted or speculative decoding (generate() with {', '.join(asked)}): "
+                f"rejected draft tokens are rolled back (crop), and evicted tokens cannot be restored")
         batch = self.layers[0].keys.shape[0]  # every layer's buffer is [batch, ...]
         if ids.shape[0] != batch:
             returns = getattr(cfg, "num_return_sequences", 1) or 1
