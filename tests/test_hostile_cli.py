@@ -142,6 +142,19 @@ def test_bad_options_are_refused_before_any_work(no_work, capsys, argv, message)
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv", ["budget --syn-taus 0.1,1.5", "fork --memory --preset huge", "chart --shape nowhere",
+                                  "nosuch", ""])
+def test_argparse_refusals_are_one_line_too(no_work, capsys, argv):
+    """Refusals argparse makes itself (a value its type refuses, an invalid choice, a missing
+    command) printed the usage text before the error: one line now, exit status 2, as every
+    other usage error."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv.split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: " in err and "--help)" in err and "usage:" not in err, err
+
+
 def test_a_weights_file_that_is_not_safetensors_is_one_line_not_a_traceback(no_work, tmp_path, capsys):
     """video-eval --weights of another format ended in safetensors' SafetensorError traceback."""
     bad = tmp_path / "toy.safetensors"

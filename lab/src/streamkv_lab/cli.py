@@ -51,8 +51,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (an invalid choice, a value its ``type`` refuses, a missing
+    argument) as one line on stderr and exit status 2, as a :class:`UsageError` is (argparse
+    prints its usage text first); ``--help`` as argparse prints it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="streamkv",
         description="KV caches for streaming generators (video diffusion, LLMs): the ring, scored policies, certified recall, and the lab that measures them.",
     )
