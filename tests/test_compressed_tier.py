@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import assert_same_state, snapshot
 import torch
 
 from streamkv.attention import attend
@@ -197,7 +198,7 @@ def test_reduced_precision_is_refused_at_begin_before_any_write():
         cache.begin_tokens(C)
         cache.layer(0).update(k[:, c * C:(c + 1) * C], v[:, c * C:(c + 1) * C], q[:, c * C:(c + 1) * C])
         cache.commit()
-    before_state = {n: t.clone() for n, t in cache.state_dict().items() if isinstance(t, torch.Tensor)}
+    before_state = snapshot(cache)  # the tier's state with the cache's
     before_span, before_count = cache.open_span, tier.count
     before = torch.get_float32_matmul_precision()
     try:
@@ -206,9 +207,8 @@ def test_reduced_precision_is_refused_at_begin_before_any_write():
             cache.begin_tokens(C)
     finally:
         torch.set_float32_matmul_precision(before)
-    after = cache.state_dict()
     assert cache.open_span == before_span and tier.count == before_count
-    assert all(torch.equal(t, after[n]) for n, t in before_state.items())
+    assert_same_state(before_state, snapshot(cache))
     cache.begin_tokens(C)  # the same step, at 'highest'
     cache.layer(0).update(k[:, 2 * C:3 * C], v[:, 2 * C:3 * C], q[:, 2 * C:3 * C])
     assert tier.last[0] is not None and tier.last[0].error.isfinite().all()
@@ -531,10 +531,15 @@ def test_refusals_name_the_constraint():
         CompressedTier(KVCache(shape, shape, policy="tova", **kw), capacity=16, recall_tau=0.1)
     with pytest.raises(ValueError, match="KVQuant keys"):
         CompressedTier(KVCache(shape, shape, policy="tova", **kw), capacity=16, fmt="int3")
-    plain, _ = _build(recall=0)
-    state = plain.state_dict()
+    plain, tier = _build(recall=0)
+    with pytest.raises(RuntimeError, match=r"reads include the rows of an observer \(CompressedTier\)"):
+        plain.state_dict()  # a state without the tier's rows would continue another stream
+    with pytest.raises(RuntimeError, match=r"reads include the rows of an observer \(CompressedTier\)"):
+        plain.export_stream()
+    other, other_tier = _build(recall=0)
+    other.remove_observer(other_tier)  # without its tier: a state of the cache alone
     with pytest.raises(RuntimeError, match="does not load state dicts"):
-        plain.load_state_dict(state)
+        plain.load_state_dict(other.state_dict())
     cache, tier = _build()
     with pytest.raises(ValueError, match="another observer recalls"):
         CompressedTier(cache, capacity=16, block=8, recall_tau=0.1)

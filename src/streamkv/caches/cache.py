@@ -532,7 +532,16 @@ class KVCache:
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of the cache's whole state: host counters and *copies* of every tensor
         (so a state taken now restores this moment even after the stream moves on). Refused
-        (``RuntimeError``) for a cache with recall slots: their contents belong to an observer."""
+        (``RuntimeError``) for a cache with recall slots: their contents belong to an observer;
+        and while an observer adds rows to its reads (a compressed tier): a state without them
+        would continue another stream. :meth:`export_stream` is refused alike."""
+        adders = sorted({type(o).__name__ for o in self.observers if o.adds_segments})
+        if adders:
+            raise RuntimeError(
+                f"state_dict() / export_stream(): this cache's reads include the rows of an observer "
+                f"({', '.join(adders)}), which its state does not carry; a cache loading it would attend fewer "
+                f"tokens and continue another stream. Remove the observer first (remove_observer: the stream then "
+                f"goes on without its rows), or keep the stream in this process")
         return self.states.state_dict()
 
     def validate_state(self, state: dict[str, Any]) -> tuple[int, int, bool]:

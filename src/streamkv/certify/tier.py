@@ -52,7 +52,8 @@ when their slots are needed. ``stats["h2d_bytes"]`` counts what was copied.
 Refused with the reason: a cache that is not ``[B, T, H, D]`` (rank 4, seq_dim 1, head_dim 2),
 quantised storage (tier 1 is the full-precision tier), a cache that has already evicted,
 recall slots without ``recall_tau`` or ``recall_tau`` without recall slots (fewer than a block),
-recall without certificates, a second recall owner, a state-dict load, a capacity that is not a
+recall without certificates, a second recall owner, a state-dict load, a state dict or an exported
+stream of its cache (the cache refuses them while the tier's rows are part of its reads), a capacity that is not a
 positive multiple of ``block``; a span begun while a certifying tier would compute its
 certificate with float32 products below ``"highest"`` precision (refused at ``begin``, before any write). Scope: eager, RoPE at write, the identity basis.
 
