@@ -86,6 +86,9 @@ def test_scored_caches_announce_per_head_evictions(kind):
         assert torch.equal(pos_at_call, cache.slot_positions[0])  # told after the slots were freed
         assert torch.equal(evicted[0], (before >= 0) & (cache.slot_positions[0] < 0))
     assert any(e[1].any() for e in events)
+    if cache.policy.kept(1) is not None:  # the host knows the count: an event only where tokens leave
+        assert events and all(e[1].any() for e in events)
+        assert events[0][0].chunk_idx == -(-(cache.budget + 1) // C) - 1  # the first commit past the budget
 
 
 class Log(CacheObserver):

@@ -51,6 +51,11 @@ class EvictionEvent:
     ``info``: what the policy says about it (scored policies: ``overflow`` bool ``[L, H]``, the
     budget alone left too little room; ``dropped_mass_bound`` float64 ``[L, H]``).
 
+    A commit of a scored policy has one whenever the host cannot rule out that tokens leave: a
+    fixed budget's from the first commit that takes a head past its budget (every later one
+    evicts), ``mass``'s at every commit (whether anything leaves is known on the device: its
+    ``evicted`` may be all False). A window cache's begin has one where it overwrites slots.
+
     During ``prepare`` the tokens are still in ``cache`` (read their K/V there); by
     ``on_evict`` their slots may have been reused or moved (the chronological path shifts them).
     """

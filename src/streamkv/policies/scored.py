@@ -309,7 +309,10 @@ class ScoredPolicy(SlotPolicy):
         def evicted() -> Tensor:
             return torch.nn.functional.pad(evict, (0, st.recall_slots))
 
-        return Step(apply, evicted, info={"overflow": overflow.bool(), "dropped_mass_bound": dropped})
+        # where the host knows that every position so far stays, there is no eviction to tell of
+        kept = self.kept(start + n)
+        stays = kept is not None and kept >= start + n
+        return Step(apply, None if stays else evicted, info={"overflow": overflow.bool(), "dropped_mass_bound": dropped})
 
     def _select(self, start: Tensor, pos: Tensor, valid: Tensor, prio: Tensor, key_max: Tensor | None):
         """Evict, per (layer, head), the first ``n_evict`` candidates in (priority, position) order:
