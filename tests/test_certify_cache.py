@@ -222,6 +222,33 @@ def test_reset_forgets_summaries_store_and_recall():
     assert cache.check.result()["violations"] == 0 and cache.check.result()["count_mismatch"] == 0
 
 
+@pytest.mark.parametrize("kind", ["ring", "chronological"])
+def test_a_detached_recaller_empties_its_recall_slots(kind):
+    """Nothing keeps recalled tokens current once their owner is gone: they leave the reads, which
+    are then the policy's own tokens (what a cache without recall slots fed the same stream reads)."""
+    cache = _cache(kind, recall_tau=0.1, recall_slots=64, layers=1)
+    plain = KVCache((B, S + W, H, D), (B, S + W, H, D + 1), policy=kind, seq_dim=1, sink=S, window=W, chunk=C)
+    gen = torch.Generator().manual_seed(6)
+    for c in range(8):
+        k, v, q = (torch.randn(B, C, H, d, generator=gen) * 1.5 for d in (D, D + 1, D))
+        for x in (cache, plain):
+            x.begin_chunk(c)
+            attend(q, x.update(k, v, q))
+            x.commit_chunk(c)
+    assert cache.certifier.recall_slots_in_use() > 0
+    cap = cache.layout.capacity
+    assert torch.equal(cache.slot_positions[..., :cap], plain.slot_positions)
+    cache.remove_observer(cache.certifier)
+    assert bool((cache.slot_positions[..., cap:] < 0).all()) and cache.storage.recall_owner is None
+    q = torch.randn(B, C, H, D, generator=gen)
+    cache.begin_chunk(8)
+    plain.begin_chunk(8)
+    k, v = torch.randn(B, C, H, D, generator=gen), torch.randn(B, C, H, D + 1, generator=gen)
+    out, _ = attend(q, cache.update(k, v, q))
+    ref, _ = attend(q, plain.update(k, v, q))
+    assert (out - ref).abs().max() < 1e-6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory, non_blocking copies)")
 def test_cuda_offload_is_pinned_and_recall_is_valid():  # pragma: no cover - GPU only
     cache = _cache("ring", check=dict(tau=0.1, check_storage=True), layers=1, recall_tau=0.1, recall_slots=200,

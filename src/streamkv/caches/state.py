@@ -70,8 +70,8 @@ class StateDicts:
         self.checks.alive("state_dict()")
         if self.storage.recall_slots:
             raise RuntimeError(
-                "a cache with recall slots does not save state dicts: the recalled tokens belong to an observer "
-                "(streamkv.certify) whose summaries and offload store are not serialised"
+                "a cache with recall slots does not save state dicts: they hold tokens an observer recalls "
+                "(streamkv.certify), whose summaries and offload store are not serialised"
             )
         lc = self.lifecycle
         return {

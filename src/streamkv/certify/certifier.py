@@ -524,7 +524,14 @@ def check_reopen(observer: Any, change: Change) -> None:
 
 
 def release(observer: Any, cache: KVCache) -> None:
-    """On detach: give back the recall slots and mark ``observer`` broken (it no longer sees evictions)."""
-    if cache.storage.recall_owner is observer:
-        cache.storage.recall_owner = None
+    """On detach: give back the recall slots, emptied (no one keeps their tokens current any more:
+    the reads are the policy's own tokens again), and mark ``observer`` broken (it no longer sees
+    evictions)."""
+    st = cache.storage
+    if st.recall_owner is observer:
+        st.recall_owner = None
+        every = list(range(st.recall_slots))
+        for layer in range(st.num_layers):
+            for head in range(st.heads):
+                st.clear_recall(layer, head, every)
     observer.broken = "it was detached from its cache (it no longer sees evictions)"
