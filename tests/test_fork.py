@@ -68,7 +68,7 @@ def test_random_fork_trees_equal_independent_caches(kind, quant):
     ref = _build(kind, quant=quant)
     live = [(root, ref, {})]  # (branch, reference, boundary -> reference state)
     forks = rewinds = releases = 0
-    for step in range(40):
+    for step in range(50):
         i = rng.randrange(len(live))
         branch, ref, kept = live[i]
         op = rng.random()
@@ -81,7 +81,8 @@ def test_random_fork_trees_equal_independent_caches(kind, quant):
         elif op < 0.75 and len(live) < 12:
             n = rng.randint(1, 3)
             for new in branch.fork(n):
-                live.append((new, _clone(ref, kind, quant, None), {}))
+                assert new.rewind_chunks == branch.rewind_chunks  # the fork point and the parent's others
+                live.append((new, _clone(ref, kind, quant, None), dict(kept)))
             forks += 1
         elif op < 0.9 and branch.rewind_chunks:
             c = rng.choice(branch.rewind_chunks)
@@ -119,6 +120,36 @@ def test_forks_under_every_position_map(name):
         d, e = _data(rng), _data(rng)
         assert torch.allclose(_step(branch, d), _step(ref, d), rtol=0, atol=1e-12)
         assert torch.allclose(_step(root, e), _step(other, e), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_branch_rewinds_to_its_fork_point_and_before(kind):
+    """A branch keeps its parent's boundaries: back at the fork point it continues as its parent
+    does from there, and back before it as the parent does from that boundary; the pages come back."""
+    rng = random.Random(kind)
+    root = _build(kind, pages={"history": 8, "spare": 32})
+    for _ in range(5):
+        _step(root, _data(rng))
+    (branch,) = root.fork()
+    assert branch.rewind_chunks == root.rewind_chunks and root.next_chunk in branch.rewind_chunks
+    at = dict(pos=root.slot_positions.clone())
+    for _ in range(3):
+        _step(branch, _data(rng))
+    for back in (root.next_chunk, root.next_chunk - 1):
+        branch.rewind(back)
+        twin = root.fork()[0]
+        if back < root.next_chunk:
+            twin.rewind(back)
+        else:
+            assert torch.equal(branch.slot_positions, at["pos"])
+        _same(branch, twin)
+        d = _data(rng)
+        assert torch.equal(_step(branch, d), _step(twin, d))
+        twin.release()
+    pool = root.storage.store.table.pool
+    branch.release()
+    root.release()
+    assert pool.used == 0 and pool.reserved == 0
 
 
 def test_branches_share_pages_until_they_write():

@@ -9,7 +9,7 @@ how many boundaries it keeps (``history``), then a random sequence over the live
   forked, fed the same history): the attention outputs (float64), the slots and the stored K/V must
   be equal;
 - ``fork(n)``, ``n`` up to 8, and 8 at a case's first fork (each new branch's reference: a copy of its parent's reference, by
-  state dict); ``rewind(c)`` to a kept boundary (the reference loads the state it had there);
+  state dict, with the parent's kept states: a branch keeps its parent's boundaries); ``rewind(c)`` to a kept boundary (the reference loads the state it had there);
   ``release()`` (its later calls refused); ``export_stream`` into a fresh paged cache through
   ``import_stream`` (its state must equal the branch's, and it replaces the branch from then on);
 - rejected calls: a fork with a span open, ``fork(0)``, a fork of an unpaged cache, a rewind to
@@ -170,14 +170,16 @@ class _Case:
         self.res["steps"] += 1
 
     def fork(self, i: int) -> None:
-        branch, ref, _, depth = self.live[i]
+        branch, ref, kept, depth = self.live[i]
         n = self.rng.randint(1, 8) if self.forks_here else 8  # the widest fan-out once per case
         self.forks_here += 1
         state = ref.state_dict()
         for b in branch.fork(n):
+            if b.rewind_chunks != branch.rewind_chunks:
+                return self.fail(f"a branch keeps the boundaries {b.rewind_chunks}, its parent {branch.rewind_chunks}")
             r = self.build()
             r.load_state_dict(state)
-            self.live.append([b, r, {}, depth + 1])
+            self.live.append([b, r, dict(kept), depth + 1])  # the parent's boundaries, the fork point among them
         self.res["forks"] += 1
         self.res["max_fanout"] = max(self.res["max_fanout"], n)
         self.res["max_depth"] = max(self.res["max_depth"], depth + 1)

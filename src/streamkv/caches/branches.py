@@ -12,7 +12,9 @@ branches share copy-on-write:
   when it first writes there). Refused, with the reason, for a cache with observers (a
   certifier's summaries, a tier's entries are not forked).
 - ``history=k`` keeps the last ``k`` chunk boundaries (their page tables and metadata: the pages
-  stay referenced); :meth:`Branches.rewind` returns the stream to one of them exactly.
+  stay referenced); :meth:`Branches.rewind` returns the stream to one of them exactly. A branch
+  keeps the boundaries its parent kept, the fork point among them: it can go back to where it
+  forked, or before, as its parent can.
 - :meth:`Branches.release` gives a branch's pages back; the branch refuses every call afterwards,
   and every read or prepared step made before (they would read or write pages another branch
   may hold by then).
@@ -26,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,6 +118,12 @@ class Branches:
         lc = c.lifecycle
         out.lifecycle.restore(lc.end, lc.span, False)
         pol.after_load(lc.end, lc.span)  # the policy's host state (write ranges, offsets), as a load rebuilds it
+        # the branch keeps the boundaries its parent kept, the fork point among them: each one's pages
+        # referenced once more (a boundary's copies are only ever read, so the branch shares them)
+        pool = out.storage.store.table.pool
+        for b in self.boundaries:
+            pool.share(b.store["pages"])
+            out.branches.boundaries.append(replace(b, store={**b.store, "pages": list(b.store["pages"])}))
         return out
 
     # ------------------------------------------------------------------ history
