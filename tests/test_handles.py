@@ -128,7 +128,9 @@ def test_a_read_or_step_made_before_a_release_is_refused():
         step.run()
     assert pool.used == used and not branch.is_open
     for call in (lambda: branch.read(0), lambda: branch.num_valid, lambda: branch.report(), branch.state_dict,
-                 lambda: branch.rewind_chunks, lambda: branch.fork(), branch.release):
+                 lambda: branch.rewind_chunks, lambda: branch.fork(), branch.release, branch.occupancy,
+                 lambda: branch.check_occupancy("all"), lambda: branch.slot_positions, lambda: branch.write_slots,
+                 branch.chronological_positions):
         with pytest.raises(RuntimeError, match="released"):
             call()
     assert "released" in repr(branch)

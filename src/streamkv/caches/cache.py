@@ -445,10 +445,12 @@ class KVCache:
         full, ``"prefix"`` while it fills, ``"mask"`` for per-head caches and recall slots.
         ``static=True`` (compiled steps, CUDA graphs: shapes must not change): ``"mask"``
         instead of ``"prefix"``."""
+        self._live("occupancy()")
         return self.reads.occupancy(static)
 
     def check_occupancy(self, occupancy: Occupancy) -> None:
         """Raise ``ValueError`` unless a read with ``occupancy`` is exact now (host counters)."""
+        self._live("check_occupancy()")
         self.checks.check_occupancy(occupancy)
 
     @property
@@ -460,11 +462,13 @@ class KVCache:
     def slot_positions(self) -> Tensor:
         """Device ``int64 [num_layers, heads, slots]``: the position each slot holds per layer
         and head (``-1`` empty); broadcast from one plan for window caches. Read-only view."""
+        self._live("slot_positions")
         return self.storage.slot_positions
 
     @property
     def write_slots(self) -> Tensor:
         """Device ``int64 [num_layers, heads, chunk]``: the slots of the open (or last) span's rows."""
+        self._live("write_slots")
         return self.storage.write_slots
 
     def layer_slot_positions(self, layer: int | None = None) -> Tensor:
@@ -519,6 +523,7 @@ class KVCache:
 
     def chronological_positions(self) -> list[int]:
         """Positions of the ``chronological_keys()`` rows (host arithmetic); refused as they are."""
+        self._live("chronological_positions()")
         refusal = self.reads.chronological_refusal
         if refusal:
             raise ValueError(f"no chronological view: {refusal}")
@@ -590,9 +595,15 @@ class KVCache:
         self.checks.alive("rewind_chunks")
         return self.branches.chunks()
 
+    def _live(self, what: str) -> None:
+        if not torch.compiler.is_compiling():  # a host flag: a trace of a live cache needs no guard on it
+            self.checks.alive(what)
+
     def release(self) -> None:
         """Give this cache's pages (and kept boundaries) back to the pool its branches share; every
-        later call on it is refused, and so is every read or prepared step made before. Refused
+        later call that reads or changes its stream is refused (what it was built as and where its
+        stream stood -- shapes, kind, layout, counters -- still answer), and so is every read or
+        prepared step made before. Refused
         (ValueError, nothing changes) for a cache built without ``pages=``: it has no pages to give."""
         self.branches.release()
 
