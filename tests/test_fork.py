@@ -6,6 +6,7 @@ released branches give every page back; the refusals change nothing."""
 
 from __future__ import annotations
 
+import io
 import random
 import subprocess
 import sys
@@ -262,10 +263,27 @@ def test_an_edited_or_mismatched_stream_is_refused():
     blob[idx] ^= 0xFF
     with pytest.raises(ValueError, match="checksum|not a streamkv stream"):
         other.import_stream(bytes(blob))
-    with pytest.raises(ValueError, match="quant|format|must be"):
-        _build("ring", quant=next(iter(KV_FORMATS))).import_stream(c.export_stream())
+    fmt = next(iter(KV_FORMATS))
+    with pytest.raises(ValueError, match=f"stores K/V in full precision, this cache quantised .*{fmt}"):
+        _build("ring", quant=fmt).import_stream(c.export_stream())
+    with pytest.raises(ValueError, match=f"stores K/V quantised .*{fmt}.*, this cache in full precision"):
+        other.import_stream(_build("ring", quant=fmt).export_stream())
     with pytest.raises(ValueError, match="kind|policy"):
         _build("tova").import_stream(c.export_stream())
+    # edits the checksum must see: the keys' strides (the same bytes, other elements) and a
+    # requires_grad flag (a loaded cache would join an autograd graph that grows with every write)
+    payload = torch.load(io.BytesIO(c.export_stream()), weights_only=True)
+    state = payload["streams"][""]["state"]
+    keys = state["keys"]
+    state["keys"] = keys.new_empty(0).set_(keys.untyped_storage(), 0, keys.shape, keys.transpose(2, 3).stride())
+    assert not torch.equal(state["keys"], keys)
+    for edit in ("strides", "grad"):
+        if edit == "grad":
+            state["keys"] = keys.clone().requires_grad_()
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        with pytest.raises(ValueError, match="checksum" if edit == "strides" else "requires grad"):
+            other.import_stream(buf.getvalue())
     after = other.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in after if isinstance(after[k], torch.Tensor))
 

@@ -262,13 +262,14 @@ def _pack(obj: dict[str, Any]) -> bytes:
 
 
 def _digest(state: dict[str, Any]) -> str:
-    """SHA-256 of a state dict: every entry by name, tensors by dtype, shape and bytes (on the host)."""
+    """SHA-256 of a state dict: every entry by name, tensors by dtype, shape and their elements in
+    order (on the host: what the tensor holds, whatever strides its storage is laid out with)."""
     h = hashlib.sha256()
     for name in sorted(state):
         v = state[name]
         h.update(name.encode())
         if isinstance(v, Tensor):
-            t = v.detach().to("cpu").clone()  # a storage of exactly its bytes
+            t = v.detach().to("cpu").clone(memory_format=torch.contiguous_format)  # a storage of exactly its elements
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(bytes(t.untyped_storage()))
         else:

@@ -106,7 +106,13 @@ class StateDicts:
             raise RuntimeError("a cache with recall slots does not load state dicts (see state_dict)")
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        for key, want in self.config().items():
+        _refuse_grad(state, "state dict")
+        config = self.config()
+        want, got = config.pop("quant", None), state.get("quant")  # absent: full precision
+        if got != want:
+            raise ValueError(f"state dict stores K/V {_format(got)}, this cache {_format(want)}: a stream loads only "
+                             f"into a cache of its storage format")
+        for key, want in config.items():
             if key not in state:
                 raise ValueError(f"state dict lacks {key!r}")
             got = state[key]
@@ -157,3 +163,25 @@ class StateDicts:
         self.storage.store.check_state(state, state["slot_positions"], end, span, is_open)
         return end, span, is_open
 
+
+
+def _format(quant: dict[str, Any] | None) -> str:
+    """A storage format as a state dict records it, in words."""
+    if quant is None:
+        return "in full precision"
+    return "quantised (" + ", ".join(f"{k}={v!r}" for k, v in quant.items()) + ")"
+
+
+def _refuse_grad(value: Any, where: str) -> None:
+    """Refuse a tensor that requires grad anywhere in a state dict (loaded, it would attach the
+    cache's buffers to an autograd graph that grows with every write)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            raise ValueError(f"{where} requires grad: the cache stores values, not an autograd graph (load a "
+                             f"detached copy)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_grad(v, f"{where} {k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_grad(v, f"{where}[{i}]")
