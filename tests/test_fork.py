@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from streamkv import CacheSet, KVCache
+from streamkv import CacheObserver, CacheSet, KVCache
 from streamkv.attention import attend
 from streamkv.positions import POSITION_MAPS, position_map
 from streamkv.quant import KV_FORMATS
@@ -220,6 +220,41 @@ def test_a_cache_set_forks_every_branch():
     a, b = caches.fork(2)
     assert list(a) == ["cond", "uncond"] and a["cond"] is not caches["cond"]
     assert torch.equal(a["uncond"].keys(0), caches["uncond"].keys(0))
+
+
+class _Veto(CacheObserver):
+    def prepare(self, change):
+        if change.what != "commit":
+            raise RuntimeError(f"vetoed {change.what}")
+
+
+def test_a_refused_change_gives_its_reserved_pages_back_at_once():
+    """A forked cache reserves free pages for its copy on write before the observers may veto; a
+    veto (or a group member's refusal) gives them back at once, not when the exception that holds
+    the plan is collected: a sibling's next write is not refused for want of pages meanwhile."""
+    caches = CacheSet("ring", k_shape=(1, SINK + WINDOW, H, D), v_shape=(1, SINK + WINDOW, H, D), seq_dim=1,
+                      sink=SINK, window=WINDOW, chunk=CHUNK, branches=("cond", "uncond"), dtype=f64,
+                      pages={"spare": 8})
+    rng = random.Random(5)
+    for _ in range(3):
+        caches.begin_chunk(caches["cond"].next_chunk)
+        for br in caches:
+            caches[br].layer(0).update(*_data(rng)[1:])
+        caches.commit_chunk(caches["cond"].next_chunk - 1)
+    a, b = caches.fork(2)
+    pool = caches["cond"].storage.store.table.pool
+    a["uncond"].add_observer(_Veto())  # the second member vetoes: the first's reservation goes back
+    kept = []
+    for call in (lambda: a["uncond"].reset(), lambda: a["uncond"].begin_chunk(a["uncond"].next_chunk),
+                 lambda: a["uncond"].load_state_dict(a["cond"].state_dict()), a.reset,
+                 lambda: a.begin_chunk(a["cond"].next_chunk)):
+        free = pool.free
+        with pytest.raises(RuntimeError, match="vetoed") as info:
+            call()
+        kept.append(info)  # the exceptions (and the plans they hold) stay alive
+        assert pool.reserved == 0 and pool.free == free
+    assert pool.free > 0
+    _step(b["cond"], _data(rng))  # a sibling writes with the pages a refused change had reserved
 
 
 STREAM_SCRIPT = """

@@ -21,6 +21,7 @@ to the part that owns the work in a line or two.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -33,6 +34,7 @@ from ..policies import SlotPolicy, Step, make_policy
 from ..rope_at_read import RopeAtRead
 from ..storage import KVStorage
 from ..stores import as_pages
+from ..stores.pages import PlannedPages
 from ..validate import check_int
 from .branches import Branches
 from .checks import InputChecks
@@ -228,8 +230,10 @@ class KVCache:
         plan = self.policy.begin(start, n, advance)
         chunk_idx = start // self.layout.chunk
         own = self.storage.store.prepare_writes(plan.writes, f"begin of positions [{start}, {start + n})")
-        change = Change(self, "begin", chunk_idx, (start, n), advance, self._observers.eviction(chunk_idx, "begin", plan))
-        actions = self._observers.prepare(change)
+        with _cancelled_if_refused(own):
+            change = Change(self, "begin", chunk_idx, (start, n), advance,
+                            self._observers.eviction(chunk_idx, "begin", plan))
+            actions = self._observers.prepare(change)
 
         def apply() -> None:
             if own is not None:  # a forked cache: the span's pages become its own first (copy on write)
@@ -238,9 +242,10 @@ class KVCache:
             self.storage.begin(start, n, advance)  # the store's own begin work (a quantised store's full-precision rows)
             self.lifecycle.begin(start, n)
 
-        return self._step(apply, change, actions, f"the begin of positions [{start}, {start + n})")
+        return self._step(apply, change, actions, f"the begin of positions [{start}, {start + n})", own)
 
-    def _step(self, apply: Callable[[], None], change: Change, actions: Any, what: str) -> Step:
+    def _step(self, apply: Callable[[], None], change: Change, actions: Any, what: str,
+              own: PlannedPages | None = None) -> Step:
         """The cache's step of a planned change: it runs once, and only while the cache is where it
         was planned (a step planned before another begin, commit, reset, load, rewind or release
         would apply slots, positions and pages that no longer hold): refused otherwise, nothing
@@ -257,7 +262,8 @@ class KVCache:
             ran.append(True)
             apply()
 
-        return Step(run_once, then=(lambda: self._observers.tell(change, actions),), check=check)
+        return Step(run_once, then=(lambda: self._observers.tell(change, actions),), check=check,
+                    cancel=None if own is None else own.cancel)
 
     def check_begin(self, chunk_idx: int) -> bool:
         """Raise as ``begin_chunk(chunk_idx)`` would; else True for an advance, False for a
@@ -387,7 +393,8 @@ class KVCache:
         self.checks.mutable("reset")
         own = self.storage.store.prepare_writes("all", "a reset", self.branches.kept_pages())  # forgets them first
         change = Change(self, "reset")
-        actions = self._observers.prepare(change)
+        with _cancelled_if_refused(own):
+            actions = self._observers.prepare(change)
 
         def apply() -> None:
             if own is not None:
@@ -397,7 +404,7 @@ class KVCache:
             self.policy.reset()
             self.lifecycle.reset()
 
-        return self._step(apply, change, actions, "a reset")
+        return self._step(apply, change, actions, "a reset", own)
 
     # ================================================================ where the stream is
     @property
@@ -566,7 +573,8 @@ class KVCache:
         counters = self.states.validate(state)
         own = self.storage.store.prepare_writes("all", "a state-dict load", self.branches.kept_pages())
         change = Change(self, "load", state=state)
-        actions = self._observers.prepare(change)
+        with _cancelled_if_refused(own):
+            actions = self._observers.prepare(change)
 
         def apply() -> None:
             if own is not None:
@@ -574,7 +582,7 @@ class KVCache:
             self.branches.forget()
             self.states.load(state, counters)
 
-        return self._step(apply, change, actions, "a state-dict load")
+        return self._step(apply, change, actions, "a state-dict load", own)
 
     # ================================================================ branches
     def fork(self, n: int = 1) -> list[KVCache]:
@@ -695,3 +703,15 @@ class KVCache:
             f"k_shape={self.k_shape}, v_shape={self.v_shape}, seq_dim={self.seq_dim}, num_layers={self.num_layers}, "
             f"dtype={self.dtype}, device={self.device}, end={self.end}, open_span={self.open_span}, {held}{extra})"
         )
+
+
+@contextmanager
+def _cancelled_if_refused(own: PlannedPages | None):
+    """The pages a planned copy on write reserved go back at once when the change is refused or
+    vetoed (not when the exception, which holds the plan, is collected)."""
+    try:
+        yield
+    except BaseException:
+        if own is not None:
+            own.cancel()
+        raise

@@ -15,7 +15,8 @@ all or nothing: every member is checked, planned and announced first, then all c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -122,17 +123,17 @@ class CacheSet:
 
     def begin_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
         """``begin_chunk`` on every (or the named) branch; all or nothing."""
-        _run_all([cache.prepare_begin(chunk_idx) for cache in self._select(branches)])
+        _run_all([partial(cache.prepare_begin, chunk_idx) for cache in self._select(branches)])
 
     def commit_chunk(self, chunk_idx: int, branches: Iterable[str] | None = None) -> None:
         """``commit_chunk`` on every (or the named) branch; all or nothing (a branch that
         refuses, e.g. non-finite statistics, leaves every branch open and unchanged)."""
-        _run_all([cache.prepare_commit(chunk_idx) for cache in self._select(branches)])
+        _run_all([partial(cache.prepare_commit, chunk_idx) for cache in self._select(branches)])
 
     def reset(self, branches: Iterable[str] | None = None) -> None:
         """``reset`` on every (or the named) branch; all or nothing (an observer of one branch
         that vetoes leaves every branch as it was)."""
-        _run_all([cache.prepare_reset() for cache in self._select(branches)])
+        _run_all([cache.prepare_reset for cache in self._select(branches)])
 
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -144,7 +145,7 @@ class CacheSet:
         if not isinstance(state, dict) or set(state) != set(self.branches):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state dict must have branches {sorted(self.branches)}, got {got}")
-        _run_all([self[name].prepare_load(state[name]) for name in self.branches])
+        _run_all([partial(self[name].prepare_load, state[name]) for name in self.branches])
 
     # ------------------------------------------------------------ branches
     def fork(self, n: int = 1) -> list[CacheSet]:
@@ -207,12 +208,23 @@ class CacheSet:
                 f"{st['format']}, {self.nbytes / 2**20:.3g} MiB held (a plain bf16 set: {plain / 2**20:.3g} MiB))")
 
 
-def _run_all(steps: list[Step]) -> None:
-    """Check that every prepared step may still run (all or nothing), apply every one, then tell
-    every member's observers (a failure there is raised once all were told; every change stands)."""
-    for step in steps:
-        if step.check is not None:
-            step.check()
+def _run_all(prepare: list[Callable[[], Step]]) -> None:
+    """Prepare every member's step and check that each may still run (all or nothing: where one
+    refuses, the steps prepared are cancelled, their reserved pages back at once), apply every
+    one, then tell every member's observers (a failure there is raised once all were told; every
+    change stands)."""
+    steps: list[Step] = []
+    try:
+        for make in prepare:
+            steps.append(make())
+        for step in steps:
+            if step.check is not None:
+                step.check()
+    except BaseException:
+        for step in steps:
+            if step.cancel is not None:
+                step.cancel()
+        raise
     for step in steps:
         step.apply()
     failures = []

@@ -41,7 +41,10 @@ class Step:
     the eviction (scored policies: ``overflow`` bool ``[L, H]``, ``dropped_mass_bound``
     float64 ``[L, H]``); ``writes`` the slots the span's K/V will be written to (or moved to);
     ``check`` raises, changing nothing, when the step can no longer run (a cache's step runs once,
-    and only while the cache is where it was planned: :meth:`run` and a group ask it first)."""
+    and only while the cache is where it was planned: :meth:`run` and a group ask it first);
+    ``cancel`` gives back what the planned step holds (the free pages a forked cache reserved for
+    its copy on write) when it will not run: a group cancels its prepared members when one refuses
+    (a step dropped unrun gives them back too, once it is collected)."""
 
     apply: Callable[[], None] = _nothing
     evicted: Callable[[], Tensor] | None = None
@@ -53,6 +56,8 @@ class Step:
     writes: object = None
     #: raises (nothing changed) when the step may not run now; None: it always may
     check: Callable[[], None] | None = None
+    #: gives back what the step holds when it will not run; None: it holds nothing
+    cancel: Callable[[], None] | None = None
 
     def run(self) -> None:
         """``check()``, ``apply()``, then every ``then`` (an exception there comes after the change stood)."""

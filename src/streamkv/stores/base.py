@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .codecs import Codec, zero_rows
 from .dims import Dims
-from .pages import PageTable
+from .pages import PageTable, PlannedPages
 
 __all__ = ["Segment", "Store", "WritePlan"]
 
@@ -233,12 +233,13 @@ class Store(abc.ABC):
         a -= self.row_offset
         return [(a, n)] if self.table is None else self.table.ranges(a, n)
 
-    def prepare_writes(self, writes: object, why: str, dropping: Iterable[int] = ()) -> Callable[[], None] | None:
+    def prepare_writes(self, writes: object, why: str, dropping: Iterable[int] = ()) -> PlannedPages | None:
         """Copy on write: before slots are written (``writes``: host ``(first slot, rows)`` ranges -- a
         third element False when the rows are read before they are overwritten, as a roll does --, a
         device tensor of slots, or ``"all"``), the pages holding them that another cache of the family
         also references must become this store's own. Plans that (reserving free pages; raises when
-        there are too few) and returns the step that makes it so, or None when nothing is shared.
+        there are too few) and returns the step that makes it so (its ``cancel()`` gives the pages
+        back where the change will not be made), or None when nothing is shared.
         A device tensor of slots is read back once (only while pages are shared). ``dropping``: the
         physical pages (one entry per reference) the change drops before it writes (the kept
         boundaries a reset or a load forgets): a page shared only with them needs no copy."""
@@ -276,7 +277,7 @@ class Store(abc.ABC):
                         t.narrow(seq, new * P, P).copy_(t.narrow(seq, old * P, P))
             table.pool.drop(old for old, _, _ in moves)
 
-        return apply
+        return PlannedPages(apply, cow.cancel)
 
     def fork(self) -> Store:
         """A store of a branch: the same pages (its own table), its own copy of what is not paged."""

@@ -19,16 +19,17 @@ cache.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..validate import check_int
 
-__all__ = ["PageOptions", "PagePool", "PageTable", "as_pages"]
+__all__ = ["PageOptions", "PagePool", "PageTable", "PlannedPages", "as_pages"]
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,25 @@ class Reservation:
         pool.reserved += n
         self._done = weakref.finalize(self, PagePool._unreserve, pool, n)
 
+    def cancel(self) -> None:
+        """Give the pages back now (the step will not run); nothing once taken or given back."""
+        self._done()
+
     def take(self) -> list[int]:
         self._done.detach()
         self.pool.reserved -= self.n
         return self.pool.take(self.n, "a reserved write")
+
+
+class PlannedPages:
+    """A planned copy on write: calling it applies the plan (the reserved pages taken);
+    :meth:`cancel` gives them back instead (a refused or vetoed change)."""
+
+    def __init__(self, apply: Callable[[], Any], cancel: Callable[[], None]) -> None:
+        self._apply, self.cancel = apply, cancel
+
+    def __call__(self) -> Any:
+        return self._apply()
 
 
 class PageTable:
@@ -212,7 +228,7 @@ class PageTable:
                                  torch.tensor(new, device=self.dev.device))
             return moves  # the caller copies the rows, then drops the old pages
 
-        return apply
+        return PlannedPages(apply, held.cancel)
 
     def __repr__(self) -> str:
         return f"PageTable(pages={len(self.host)}, page={self.pool.page}, identity={self.identity})"
