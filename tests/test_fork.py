@@ -434,6 +434,34 @@ def test_the_position_map_state_is_per_branch_and_moves_with_the_stream():
     with pytest.raises(ValueError, match="rope_state"):
         moved.load_state_dict(state)
     assert moved.rope_at_read.current.name == "block_relative"
+    # a reset starts a new stream: the cut stream's map state does not carry over into it
+    moved.reset()
+    fresh = _build("ring", rope=_two_map_rope())
+    assert moved.rope_at_read.state() == fresh.rope_at_read.state()
+    for _ in range(3):
+        d = _data(rng)
+        assert torch.equal(_step(moved, d), _step(fresh, d))
+
+
+def test_a_stream_continues_only_under_the_custom_map_it_was_rotated_by():
+    """Two user maps of one name (closures of one factory) that rotate differently: a stream of one
+    is refused by a cache of the other, as a stream of another map is."""
+    def scaled(f):
+        return lambda inp, units: inp.rank(units).to(torch.float64) * f
+
+    def rope(f):
+        return RopeAtRead(Rope1D(D), position_map("custom", fn=scaled(f)))
+
+    rng = random.Random("custom")
+    half = _build("ring", rope=rope(0.5))
+    for _ in range(3):
+        _step(half, _data(rng))
+    with pytest.raises(ValueError, match="rope must be"):
+        _build("ring", rope=rope(0.25)).import_stream(half.export_stream())
+    again = _build("ring", rope=rope(0.5))
+    again.import_stream(half.export_stream())  # the same map: continued exactly
+    d = _data(rng)
+    assert torch.equal(_step(again, d), _step(half, d))
 
 
 def test_a_reset_or_a_load_forgets_kept_boundaries_and_needs_no_page_for_them():

@@ -41,6 +41,7 @@ Why this long: the scope of rotation at read (what is rotated where, and its rou
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,6 +99,7 @@ class RopeAtRead:
         self.sink_units: int | None = None
         self._selected = torch.zeros((), dtype=torch.long)
         self._host_selected = 0
+        self._initial: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ binding
     def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device,
@@ -146,6 +148,7 @@ class RopeAtRead:
             self._selected = self._selected.to(device)
             self._device_rotary = self.rotary.to(device)
             self.device, self.sink_units = device, sink // tpu
+            self._initial = self.state()  # what a reset returns to
 
     def use(self, map_name: str | int) -> None:
         """Select the map in use by name or index (a device write: recompiles nothing, captured
@@ -201,6 +204,14 @@ class RopeAtRead:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"state dict rope_state params of map {name!r}: {exc}") from None
 
+    def reset(self) -> None:
+        """Back to the map in use and the dynamic parameters at the first cache's construction
+        (a cache's :meth:`~streamkv.caches.KVCache.reset` starts a new stream: a cut or a map
+        switch of the old one does not carry over; caches that share this RopeAtRead reset together,
+        as a CacheSet's do)."""
+        if self._initial is not None:
+            self.load_state(self._initial)
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Take a state :meth:`check_state` accepted: every map's dynamic parameters, then the map in use."""
         for name, m in zip(self.names, self.maps):
@@ -224,8 +235,7 @@ class RopeAtRead:
         dynamic ones and the map in use are stream state, not part of it). Host values only."""
         maps = []
         for m in self.maps:
-            static = tuple(sorted((k, v if k != "fn" else f"{getattr(v, '__module__', '?')}."
-                                   f"{getattr(v, '__qualname__', type(v).__name__)}") for k, v in m.static.items()))
+            static = tuple(sorted((k, v if k != "fn" else _user_map_identity(v)) for k, v in m.static.items()))
             maps.append((m.name, static))
         return {"rotary": self.rotary.config(), "maps": tuple(maps)}
 
@@ -300,6 +310,20 @@ class RopeAtRead:
             return
         self._check_split_spans(f"{read.name}: the open span ends at position {lc.end}, inside a unit",
                                 read.positions.shape[-1], per_head=False)
+
+
+def _user_map_identity(fn: Any) -> str:
+    """What identifies a custom map's function in a state dict: its qualified name and its values on
+    a fixed probe (two functions of one name, e.g. closures of one factory, that rotate differently
+    are told apart: a stream is not continued under another map)."""
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    held = torch.tensor([[0, 1, 5, 6, 9, 12, -1], [0, 2, 3, 8, 10, 11, 13]])
+    units, start = torch.tensor([[5, 9, 12], [2, 10, 13]]), torch.tensor([[12], [13]])
+    try:
+        out = fn(MapInputs(held, start, 1), units).to(torch.float64)
+    except Exception as exc:  # noqa: BLE001 - a map that runs only on another device: its name alone
+        return f"{name} (not probed on the CPU: {type(exc).__name__})"
+    return f"{name} {hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]}"
 
 
 def _one_row(positions: Tensor) -> Tensor:

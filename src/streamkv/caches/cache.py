@@ -385,7 +385,8 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget the stream: every slot empty and zeroed (no stale value can reach an output),
-        next chunk 0. Buffers are kept (same ``data_ptr``)."""
+        next chunk 0; with RoPE at read, the map in use and its dynamic parameters as the cache was
+        built (a cut of the old stream does not carry over). Buffers are kept (same ``data_ptr``)."""
         self.prepare_reset().run()
 
     def prepare_reset(self) -> Step:
@@ -403,6 +404,8 @@ class KVCache:
             self.storage.zero_()
             self.policy.reset()
             self.lifecycle.reset()
+            if self.rope_at_read is not None:  # the map state is the stream's: the new one starts as built
+                self.rope_at_read.reset()
 
         return self._step(apply, change, actions, "a reset", own)
 
