@@ -148,6 +148,21 @@ def test_channel_range_and_diameter_against_brute_force():
     assert abs(M.value_diameter(v).item() - diam) <= 4 * EPS * diam
 
 
+@pytest.mark.parametrize("n", [25, 26, 64])
+def test_the_diameter_of_values_far_from_the_origin_is_not_cancelled(n):
+    """Values with a large common offset: the diameter (and so l2_bound) comes from differences,
+    not from squared norms that cancel (torch.cdist's default past 25 rows gave 0 here)."""
+    v = torch.full((n, 4), 1e8, dtype=F64)
+    v[1] += 1.0
+    assert M.value_diameter(v).item() == 2.0
+    p = torch.zeros(n, dtype=F64)
+    p[0], p[1] = 0.7, 0.3
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[1] = False
+    err = (M.full_output(p, v) - M.kept_output(p, v, keep)).norm().item()
+    assert M.l2_bound(torch.tensor(0.3, dtype=F64), v).item() >= err > 0.5
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_both_bounds_hold_with_the_exact_mass(seed):
     g = torch.Generator().manual_seed(seed)

@@ -288,7 +288,9 @@ def value_diameter(v: Tensor) -> Tensor:
     v = check_values(v)
     if v.shape[-2] == 0:
         raise ValueError("value_diameter needs at least one cached value, got N=0")
-    return torch.cdist(v, v).amax(dim=(-2, -1))
+    # the direct differences: cdist's default switches to |a|^2 + |b|^2 - 2ab past 25 rows, which
+    # cancels to 0 for values far from the origin (a bound below the truth)
+    return torch.cdist(v, v, compute_mode="donot_use_mm_for_euclid_dist").amax(dim=(-2, -1))
 
 
 def _budget(budget: float | Tensor) -> float | Tensor:
