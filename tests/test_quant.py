@@ -249,6 +249,37 @@ def _non_finite_byte(codec):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+@pytest.mark.parametrize("basis", ["identity", "hadamard"])
+def test_finite_values_beyond_what_a_format_stores_are_refused_at_the_commit(fmt, dtype, basis):
+    """A finite value that a format would store as inf or NaN (its bfloat16 scale or its decoded
+    value past the largest float, or the cache's dtype unable to read it back) is refused at the
+    commit, nothing changed; the largest value the commit takes reads back finite."""
+    top = _cache("ring", KVQuant(fmt, basis=basis), dtype=dtype).storage.store.largest[1]
+    for x, ok in ((top, True), (min(top * 1.1, torch.finfo(dtype).max), False), (torch.finfo(dtype).max, False)):
+        cache = _cache("ring", KVQuant(fmt, basis=basis), dtype=dtype)
+        g = torch.Generator().manual_seed(3)
+        for c in range(5):
+            cache.begin_chunk(c)
+            k = torch.randn(B, C, H, D, generator=g).to(dtype)
+            v = torch.randn(B, C, H, D, generator=g).to(dtype)
+            if c == 3:
+                v[0, 0, 0, 0] = x
+            cache.write(k, v)
+            if c == 3 and not ok:
+                before = cache.state_dict()
+                with pytest.raises(ValueError, match="beyond what the format stores"):
+                    cache.commit_chunk(c)
+                after = cache.state_dict()
+                assert all(torch.equal(before[n], after[n]) for n in before if isinstance(before[n], torch.Tensor))
+                break
+            cache.commit_chunk(c)
+        if ok:
+            stored = cache.read(0).stored()[1]
+            assert torch.isfinite(stored).all() and stored.abs().max() >= top * 0.9
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_state_whose_codes_mean_nan_is_refused_under_check_finite(fmt):
     """Reads hide a row by its mask alone in codes stored under ``check_finite`` (every code held
     decodes to a finite number), so a state dict whose codes decode to NaN or inf is refused, and

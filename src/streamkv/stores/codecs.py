@@ -56,6 +56,9 @@ __all__ = ["Codec", "IntCodec", "Fp8Codec", "BF16Codec", "KV_FORMATS", "KVQuant"
 Basis = Literal["identity", "hadamard"]
 
 
+_F32_MAX, _BF16_MAX = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
+
+
 def _round_up_bf16(s: Tensor) -> Tensor:
     """``s`` (float32, >= 0) rounded up to the next bfloat16 (returned as bfloat16)."""
     bits = s.contiguous().view(torch.int32)
@@ -94,8 +97,16 @@ class Codec:
     bits: int
     #: a bfloat16 scale per group is stored beside the codes
     scaled: ClassVar[bool] = True
+    #: a scaled codec's largest code magnitude: its scale is ``absmax / top``
+    top: float = 1.0
     name: str
     description: str
+
+    def largest(self) -> float:
+        """The largest magnitude this format stores as a finite value (its bfloat16 scale finite
+        after the rounding up, its decoded float32 value finite), with a margin of ``2^-6`` for
+        the roundings on the way: a commit holding more is refused, not stored as inf or NaN."""
+        return min(_F32_MAX, _BF16_MAX * (self.top if self.scaled else 1.0)) * (1 - 2**-6)
 
     def code_width(self, dim: int) -> int:
         """Bytes of codes per ``dim`` channels."""
@@ -152,7 +163,7 @@ class IntCodec(Codec):
         if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1 or 8 % bits:
             raise ValueError(f"IntCodec packs 1, 2, 4 or 8 bits per code (a whole number of codes per byte), "
                              f"got {bits!r}")
-        self.bits, self.name = bits, f"int{bits}"
+        self.bits, self.name, self.top = bits, f"int{bits}", (2**bits - 1) / 2
         self.description = (f"symmetric mid-rise, {2 ** bits} levels, "
                             f"{'one code' if bits == 8 else f'{8 // bits} codes'} a byte, a bfloat16 scale per group")
 
@@ -201,7 +212,7 @@ class IntCodec(Codec):
 class Fp8Codec(Codec):
     """e4m3 of ``x / s`` (see the module docstring)."""
 
-    bits, name = 8, "fp8"
+    bits, name, top = 8, "fp8", 448.0
     description = "e4m3 of x / s, a bfloat16 scale per group (s = absmax / 448)"
 
     def encode(self, x: Tensor, group: int) -> tuple[Tensor, Tensor | None]:
@@ -352,7 +363,10 @@ class KVQuant:
             (``0``: quantised at their commit; the open span is always full precision: every
             denoising step and the clean pass rewrite it).
         check_finite: refuse a commit whose K/V are not finite (a scale of inf or NaN means
-            nothing), changing nothing: one read of the device per commit. ``False``: no read-back
+            nothing), or are finite beyond what the format stores and the cache's dtype reads back
+            finitely (``Codec.largest``, the cache's ``finfo.max``, each less ``2^-6``; over
+            ``sqrt(D)`` in a Hadamard basis), changing nothing: one read of the device per commit.
+            ``False``: no read-back
             (a commit captured in a CUDA graph); non-finite K/V are then stored as non-finite codes
             and scales, which the cache's own state dicts carry.
 

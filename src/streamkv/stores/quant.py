@@ -30,6 +30,7 @@ method reads or changes all three together.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -106,6 +107,11 @@ class QuantStore(Store):
         self.rk = hadamard(D, device) if kb == "hadamard" else None
         self.rv = hadamard(Dv, device) if vb == "hadamard" else None
         self.acc = torch.promote_types(dtype, torch.float32)
+        # the largest |x| a commit takes per K and V: what the format stores finitely and the cache's
+        # dtype reads back finitely (a basis rotation may gather a row's norm into one channel)
+        top = torch.finfo(dtype).max * (1 - 2**-6)
+        self.largest = tuple(min(f.largest(), top) / (math.sqrt(d) if r is not None else 1.0)
+                              for f, d, r in ((self.kf, D, self.rk), (self.vf, Dv, self.rv)))
 
     def _sinks_hot(self) -> None:
         if self.c0:
@@ -287,11 +293,15 @@ class QuantStore(Store):
         if first < n and self.quant.check_finite and not torch.compiler.is_compiling():
             rows = self.hot_plan[first:n]
             s = self.dims.seq + 1
-            finite = torch.stack([torch.isfinite(h.index_select(s, rows)).all() for h in (self.hot_k, self.hot_v)])
-            if not bool(finite.all()):  # one device read per commit of a quantised store
-                raise ValueError(f"positions [{start}, {start + n}) hold NaN or inf keys or values: quantised storage "
-                                 f"encodes finite numbers only (a scale of inf or NaN means nothing); write finite "
-                                 f"K/V again before the commit; nothing was committed")
+            # NaN fails the compare, as inf and a finite value beyond what the format stores do
+            fits = torch.stack([(h.index_select(s, rows).abs() <= lim).all()
+                                for h, lim in ((self.hot_k, self.largest[0]), (self.hot_v, self.largest[1]))])
+            if not bool(fits.all()):  # one device read per commit of a quantised store
+                raise ValueError(
+                    f"positions [{start}, {start + n}) hold NaN or inf keys or values, or values beyond what the "
+                    f"format stores as a finite number (|x| <= {self.largest[0]:.4g} for keys, "
+                    f"{self.largest[1]:.4g} for values, read back in {self.dtype}); write such K/V again before the "
+                    f"commit; nothing was committed")
 
     def commit(self, start: int, n: int, where: WritePlan) -> None:
         self._shadow = None  # the span's rows become codes: none is shadowed until the next begin
