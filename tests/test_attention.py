@@ -162,3 +162,40 @@ def test_bad_options_are_named():
         ring.read(occupancy="full")
     with pytest.raises(ValueError, match="occupancy 'all' would read empty slots: 6 of 9"):
         ring.read(occupancy="all")
+
+
+@pytest.mark.parametrize("kind", ["ring", "chronological", "tova"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_query_row_that_is_not_finite_reads_nan_on_every_path(kind, bad, dtype):
+    """Every score of a query with NaN or an infinity is NaN or infinite, so its softmax is NaN (as
+    float64 attention gives); torch's fused CPU kernel returned 0 for such a row where no mask was
+    given. The other rows read as they do without it; a large finite query stays finite."""
+    from streamkv import KVCache
+    from streamkv.policies import example_policy
+
+    cache = KVCache((1, S + W, H, D), (1, S + W, H, D), seq_dim=1, sink=S, window=W, chunk=C, policy=kind,
+                    dtype=dtype, **example_policy(kind))
+    g = torch.Generator().manual_seed(0)
+    for c in range(4):
+        cache.begin_chunk(c)
+        k, v, q = (torch.randn(1, C, H, D, generator=g, dtype=dtype) for _ in range(3))
+        attend(q, cache.layer(0).update(k, v, q))
+        if c < 3:
+            cache.commit_chunk(c)
+    poisoned = q.clone()
+    poisoned[0, 1, 0, 3] = bad
+    huge = q.clone()
+    huge[0, 1, 0] = 1e18  # scores near 1e18: a one-hot softmax, finite
+    for order, kernel in (("physical", "auto"), ("physical", "blocks"), ("auto", "auto")):
+        if kind == "tova" and order == "auto":
+            continue
+        clean, _ = attend(q, cache.read(0), order=order, kernel=kernel)
+        out, info = attend(poisoned, cache.read(0), order=order, kernel=kernel, return_lse=kernel == "blocks")
+        assert out[0, 1, 0].isnan().all(), (order, kernel, info.kernel)
+        if info.lse is not None:
+            assert info.lse.isnan().any()
+        keep = torch.ones_like(out, dtype=torch.bool)
+        keep[0, 1, 0] = False
+        assert torch.equal(out[keep], clean[keep])
+        assert attend(huge, cache.read(0), order=order, kernel=kernel)[0][0, 1, 0].isfinite().all()

@@ -154,6 +154,7 @@ def attend(
             raise ValueError(f"kernel={kernel!r} chooses the physical read's kernel; this read takes the chronological "
                              f"path (keys gathered in position order), which has its own: pass kernel='auto'")
         out, lse, keys_read = _chronological(qt, read, key_transform, attn_mask, causal, window, scale, return_lse)
+        out, lse = _poisoned(qt, out, lse)
         return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=None, keys_read=keys_read, lse=lse,
                                                             kernel="gathered", kernel_reason="the chronological path")
     segments = read.segments()
@@ -162,7 +163,7 @@ def attend(
     if kernel == "sdpa" and not_sdpa:
         raise ValueError(f"kernel='sdpa' cannot serve this read of {read.name}: " + "; ".join(not_sdpa))
     if kernel in ("auto", "sdpa") and not not_sdpa:
-        out = _sdpa(qt, read, segments[0], causal, window, scale)
+        out, _ = _poisoned(qt, _sdpa(qt, read, segments[0], causal, window, scale))
         why = "forced" if kernel == "sdpa" else "one plain dense segment: SDPA on the buffers as they lie"
         return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=read.occupancy,
                                                             keys_read=read.visible, kernel="sdpa", kernel_reason=why)
@@ -175,9 +176,20 @@ def attend(
     res = triton_read(qt, plan) if ran == "triton" else read_blocks(qt, plan)
     if scored:
         read.scorer(res.key_max, res.key_sum)
-    info = AttentionInfo(path=path, occupancy=read.occupancy, keys_read=sum(s.n for s in segments), lse=res.lse,
+    out, lse = _poisoned(qt, res.out, res.lse)
+    info = AttentionInfo(path=path, occupancy=read.occupancy, keys_read=sum(s.n for s in segments), lse=lse,
                          scored=scored, kernel=ran, kernel_reason=why)
-    return read.dims.from_attention(res.out), info
+    return read.dims.from_attention(out), info
+
+
+def _poisoned(qt: Tensor, out: Tensor, lse: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """``out`` (and ``lse``) NaN in every row whose query holds NaN or an infinity: each of that row's
+    scores is then NaN or infinite, so its softmax is NaN, as float64 attention gives, where torch's
+    fused CPU kernel returns 0 for it when no mask is given. In place (the read's own tensors), no
+    host read; a large finite query stays finite (its max and min times 0, not its sum)."""
+    lo, hi = torch.aminmax(qt, dim=-1, keepdim=True)
+    bad = lo.mul_(0).add_(hi.mul_(0))
+    return out.add_(bad.to(out.dtype)), (None if lse is None else lse.add_(bad[..., 0].to(lse.dtype)))
 
 
 def _not_sdpa(read: KVRead, segments: list, scored: bool, return_lse: bool) -> list[str]:
