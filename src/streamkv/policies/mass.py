@@ -13,8 +13,10 @@ reports), errors against full-history attention accumulate over evictions, and a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..budget.mass import check_tau
@@ -47,4 +49,7 @@ class MassBudget(ScoredPolicy):
         return scores.key_max
 
     def wanted(self, sorted_priority: Tensor, candidates: Tensor, protected: Tensor) -> Tensor:
-        return (sorted_priority.cumsum(-1) <= self.tau).sum(-1)  # inf (non-candidates) never counts
+        # a non-finite score (check_finite=False: -inf here, first in the order) leaves and weighs
+        # nothing in the sum: the finite ones after it still stop at tau; inf (non-candidates) never counts
+        weight = torch.where(sorted_priority == -math.inf, 0.0, sorted_priority)
+        return (weight.cumsum(-1) <= self.tau).sum(-1)

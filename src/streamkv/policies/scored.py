@@ -21,7 +21,10 @@ The commit refuses (``RuntimeError``, naming the layers and the chunk) when the 
 queries and a layer's never arrived, and (``ValueError``) when the priorities are not
 finite; either way nothing changed. It synchronises with the device once.
 ``dropped_mass_bound`` (per (layer, head), the last commit) is ``sum_{j evicted} max_j``: it
-bounds the mass any one query of the scoring span put on the evicted tokens.
+bounds the mass any one query the statistic counts put on the evicted tokens -- every query of
+the scoring span, or the newest ``rows`` where the policy's statistic counts only those
+(SnapKV's observation window: an older query of the span may have lost more). NaN where a
+non-finite statistic left (``check_finite=False``: nothing bounds it).
 
 Why one module: the selection, its accounting and the Scores a policy ranks are the one
 contract every scored kind inherits; split, each part would read the others' fields.
@@ -290,7 +293,7 @@ class ScoredPolicy(SlotPolicy):
                 raise ValueError(
                     f"{'attention statistics' if self.needs_queries else f'{self.name} key scores'} of "
                     f"{what()} are not finite in layer(s) {bad}: NaN or inf in the cached "
-                    f"keys or the queries; the chunk stays open and nothing was evicted (check_finite=False evicts "
+                    f"keys or the queries, or scores that overflow from huge ones; the chunk stays open and nothing was evicted (check_finite=False evicts "
                     f"such tokens first instead, and counts them)"
                 )
         bad = valid & ~torch.isfinite(prio)
@@ -347,7 +350,7 @@ class ScoredPolicy(SlotPolicy):
             evict = (below | (ties & (pos <= cut))) & (n_evict > 0)
             n_evict = n_evict.squeeze(-1)
         # without statistics the only bound on the mass that left is the trivial one
-        dropped = (key_max * evict).sum(-1) if key_max is not None else evict.any(-1).double()
+        dropped = torch.where(evict, key_max, 0.0).sum(-1) if key_max is not None else evict.any(-1).double()
         return evict, (need > 0).long(), n_evict, dropped
 
     def _count(self, sorted_prio: Tensor, n_cand: Tensor, protected: Tensor, free: Tensor) -> tuple[Tensor, Tensor]:
@@ -411,7 +414,7 @@ class ScoredPolicy(SlotPolicy):
             raise ValueError(f"{where}: scored flags must be 0 or 1")
         # statistics that cannot come from a softmax: a mass cache would evict beyond tau
         for name, top in (("key_max", 1.0), ("key_sum", math.inf), ("dropped_mass_bound", math.inf)):
-            check_scores(where, name, state[name], top)
+            check_scores(where, name, state[name], top, finite=self.check_finite)
 
 
 def check_scores(where: str, name: str, t: Tensor, top: float = math.inf, *, finite: bool = True) -> None:

@@ -7,7 +7,8 @@ queries (and the batch) gave it, ``sum_i p_ij``, max-pooled over the ``kernel`` 
 around it in position order (so a token next to an important one is kept with it). The ``budget``
 kept are the sinks, the chunk just committed and the highest pooled scores (ties: newer first).
 The statistic over the newest rows is declared (:attr:`statistic`): the read computes it in the
-same pass as attention.
+same pass as attention. ``dropped_mass_bound`` bounds what those ``obs`` queries lost, not the
+span's older queries.
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""Scored caches built with ``check_finite=False`` (commits with no read-back, for captured
+graphs) take non-finite statistics: such tokens leave first and are counted, and nothing else
+about the cache breaks -- its state dict loads, its bound is not poisoned by a NaN that stayed,
+and the mass budget still stops at ``tau`` over the finite tokens."""
+
+import math
+
+import pytest
+import torch
+
+from kinds import QUERY_SCORED, params
+from streamkv import KVCache
+from streamkv.attention import attend
+
+B, D, SINK, WINDOW, C = 2, 4, 1, 12, 2
+
+
+def _cache(kind, **kw):
+    extra = {"budget": 7} if "budget" in params(kind) else {}
+    return KVCache((B, SINK + WINDOW, 1, D), (B, SINK + WINDOW, 1, D), seq_dim=1, sink=SINK, window=WINDOW, chunk=C,
+                   policy=kind, dtype=torch.float64, check_finite=False, **params(kind, **{**extra, **kw}))
+
+
+def _stream(cache, chunks, nan_at, seed=0):
+    """``chunks`` chunks; the key of batch row 1's first token of chunk ``nan_at`` is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    for c in range(chunks):
+        cache.begin_chunk(c)
+        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+        if c == nan_at:
+            k[1, 0, 0, 0] = math.nan
+        attend(q, cache.layer(0).update(k, v, q))
+        cache.commit_chunk(c)
+    return q
+
+
+@pytest.mark.parametrize("kind", QUERY_SCORED)
+def test_a_cache_that_took_a_nan_statistic_loads_its_own_state_and_continues(kind):
+    cache = _cache(kind)
+    _stream(cache, 4, nan_at=3)  # the NaN key in the newest chunk: protected, it stays
+    twin = _cache(kind)
+    twin.load_state_dict(cache.state_dict())  # was refused: "key_max must be finite"
+    g = torch.Generator().manual_seed(9)
+    for c in (4, 5):
+        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+        outs = []
+        for x in (cache, twin):
+            x.begin_chunk(c)
+            outs.append(attend(q, x.layer(0).update(k, v, q))[0])
+            x.commit_chunk(c)
+        assert torch.equal(*[o.nan_to_num() for o in outs])
+        assert torch.equal(cache.slot_positions, twin.slot_positions)
+
+
+@pytest.mark.parametrize("kind", QUERY_SCORED)
+def test_a_nan_that_stays_does_not_poison_the_bound_of_what_left(kind):
+    """The NaN key's token is in the newest, protected chunk: what left is finite, and so is its bound."""
+    cache = _cache(kind)
+    _stream(cache, 8, nan_at=7)
+    assert torch.isfinite(cache.policy.dropped_mass_bound).all()
+
+
+def test_the_mass_budget_stops_at_tau_over_the_finite_tokens():
+    """A non-finite token leaves first, and the finite candidates after it still stop at tau
+    (their -inf place in the order weighed -inf in the sum, which took every candidate)."""
+    cache = _cache("mass", tau=0.05)
+    held = None
+    g = torch.Generator().manual_seed(0)
+    for c in range(5):
+        cache.begin_chunk(c)
+        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+        if c == 3:
+            k[1, 0, 0, 0] = math.nan  # position 6, batch row 1
+        held = sorted(p for p in cache.slot_positions[0, 0].tolist() if p >= 0)
+        attend(q, cache.layer(0).update(k, v, q))
+        cache.commit_chunk(c)
+    after = sorted(p for p in cache.slot_positions[0, 0].tolist() if p >= 0)
+    left = sorted(set(held) - set(after))
+    assert 6 in left and int(cache.policy.nonfinite.sum()) == 1
+    candidates = [p for p in held if p >= SINK and p < 4 * C]
+    assert len(left) < len(candidates)  # not every candidate
