@@ -162,6 +162,7 @@ def test_scored_commit_without_queries_names_the_layer_and_chunk(kind):
         (dict(sink=2.0), TypeError, "sink must be an int, got float"),
         (dict(num_layers=0), ValueError, "num_layers must be >= 1, got 0"),
         (dict(dtype=torch.int32), TypeError, "dtype must be a floating-point torch.dtype"),
+        (dict(dtype=torch.float8_e4m3fn), ValueError, "dtype must be one of .* got torch.float8_e4m3fn"),
         (dict(device="nowhere"), ValueError, "device 'nowhere' is not a torch device"),
         (dict(buffers=(torch.zeros(2, 1, CAP, 2, 4), torch.zeros(2, 1, CAP, 2, 4))), ValueError, r"buffers K must have shape \(1, 1, 9, 2, 4\), got \(2, 1, 9, 2, 4\)"),
         (dict(buffers=(torch.zeros(1, 1, 1, 2, 4).expand(1, 1, CAP, 2, 4), torch.zeros(1, 1, CAP, 2, 4))), ValueError, "share memory"),

@@ -237,6 +237,9 @@ def test_attention_refuses_what_it_cannot_answer():
     read = cache.update(q, q, q)
     with pytest.raises(ValueError, match="block must be >= 1, got 0"):
         attend(q, read, block=0)
+    for window in (0, 2**70, True):  # 2**70 raised OverflowError from a position compare
+        with pytest.raises(ValueError, match=r"window must be an int in \[1, 2\*\*53\]"):
+            attend(q, read, causal=True, window=window)
     with pytest.raises(ValueError, match=r"q must match the cache's keys in dim 0: q \(2, 3, 2, 4\)"):
         attend(torch.randn(2, C, H, D), read)
     with pytest.raises(ValueError, match=r"heads \(or a multiple\)"):

@@ -270,8 +270,10 @@ def _check(q: Tensor, read: KVRead, order: str, rope_mode: str, key_transform, a
     if path == "chronological" and read.chronological is None:
         raise ValueError(f"the chronological path is invalid for {read.name}: {read.chronological_refusal}"
                          + (f"; and it is needed because {'; '.join(reasons)}" if reasons else ""))
-    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an int >= 1 and needs causal=True, got window={window!r}, causal={causal}")
+    if window is not None and (not causal or isinstance(window, bool) or not isinstance(window, int)
+                               or not 1 <= window <= 2**53):
+        raise ValueError(f"window must be an int in [1, 2**53] (positions are below 2**53) and needs causal=True, "
+                         f"got window={window!r}, causal={causal}")
     if read.rope_at_read is not None and rope_mode == "cache_relative":
         raise ValueError(f"{read.name} rotates its raw keys by a position map at read (rope_at_read): "
                          f"rope_mode='cache_relative' with a key_transform would rotate them twice")

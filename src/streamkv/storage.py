@@ -35,6 +35,9 @@ from .validate import check_device, check_int
 __all__ = ["KVStorage", "check_int", "normalise_dims", "position_bias", "position_mask", "position_masks"]
 
 
+#: the dtypes a cache holds and attends in
+_ATTENDED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 class KVStorage:
     """The slot metadata and the K/V store of one cache (see the module docstring).
 
@@ -89,6 +92,9 @@ class KVStorage:
         recall_slots = check_int("recall_slots", recall_slots, 0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if dtype not in _ATTENDED:  # float8: no attention kernel computes in it
+            raise ValueError(f"dtype must be one of {', '.join(map(str, _ATTENDED))} (what attention computes in), got "
+                             f"{dtype}; store narrower K/V with quant=, e.g. quant='fp8'")
         device = check_device(device)
 
         slots = capacity + recall_slots
