@@ -230,6 +230,44 @@ def test_schedule_refuses_a_shift_that_gives_nan(shift):
         Schedule(shift=shift)
 
 
+def test_schedule_refuses_a_shift_whose_sigma_cancels():
+    """A positive shift so small that 1 + (shift - 1) s cancels at s = 1 (it was accepted, then
+    sigmas() divided by zero inside generate_chunk, the chunk left open)."""
+    with pytest.raises(ValueError, match="shift=1e-17 gives the sigma nan at timestep 1000.0"):
+        Schedule(shift=1e-17)
+    assert abs(Schedule(shift=1e-3).sigmas()[0] - 1.0) < 1e-12
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(heads=0), "heads must be >= 1, got 0"),
+    (dict(patch=0), "patch must be >= 1, got 0"),
+    (dict(freq_dim=7), "freq_dim must be even"),
+    (dict(eps=float("nan")), "eps must be a finite number > 0"),
+    (dict(sink_frames=-1), "sink_frames must be >= 0"),
+])
+def test_a_model_config_that_cannot_run_is_refused_at_construction(change, match):
+    """ZeroDivisionError, a matmul error at the first forward and an all-NaN video came later."""
+    import dataclasses
+
+    from streamkv.models import get_config
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(get_config("tiny"), **change)
+
+
+def test_a_bad_seed_is_refused_before_set_prompt_resets_the_stream():
+    model = CausalVideoDiT(get_config("tiny"), seed=0)
+    r = StreamingRollout(model, cache="ring", schedule=Schedule(timesteps=(1000.0,)))
+    r.set_prompt("a red fox")
+    r.run(2)
+    for bad, exc in ((2**70, ValueError), (1.5, TypeError)):
+        with pytest.raises(exc, match="seed must be"):
+            r.set_prompt("another", seed=bad)
+        assert r.chunk_idx == 2 and r.caches["cond"].end > 0
+        with pytest.raises(exc, match="seed must be"):
+            StreamingRollout(model, cache="ring", seed=bad)
+
+
 def test_attention_refuses_what_it_cannot_answer():
     cache = _run(_cache(), 3)
     cache.begin_chunk(3)

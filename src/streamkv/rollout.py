@@ -94,12 +94,20 @@ class Schedule:
                 math.isfinite(self.shift) and self.shift > 0):
             raise ValueError(f"shift must be a finite number > 0, got {self.shift!r}")
         object.__setattr__(self, "timesteps", ts)
+        bad = [(t, x) for t, x in zip(ts, self._sigmas()) if not (math.isfinite(x) and 0 < x <= 1)]
+        if bad:
+            raise ValueError(f"shift={self.shift!r} gives the sigma {bad[0][1]!r} at timestep {bad[0][0]}: a flow-matching "
+                             f"sigma must be in (0, 1] (a shift this small cancels 1 + (shift - 1) s in float64)")
 
     def sigmas(self) -> list[float]:
+        return self._sigmas()
+
+    def _sigmas(self) -> list[float]:
         out = []
         for t in self.timesteps:
             s = t / 1000.0
-            out.append(self.shift * s / (1 + (self.shift - 1) * s))
+            den = 1 + (self.shift - 1) * s
+            out.append(self.shift * s / den if den else math.nan)
         return out
 
 
@@ -236,7 +244,7 @@ class StreamingRollout:
         if mode != "eager" and any(self.caches[b].observers for b in self.branches):
             raise RuntimeError(f"mode={mode!r}: the caches have observers, which run eagerly only; use mode='eager'")
         self.seed = seed
-        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._gen = torch.Generator(device=self.device).manual_seed(_seed(seed))
         self._cross: dict[str, CrossKV] = {}
         self._chunk = 0
         self._maintenance = 0.0
@@ -256,6 +264,7 @@ class StreamingRollout:
         re-seeds the noise generator (otherwise its sequence continues)."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        seed = None if seed is None else _seed(seed)  # checked before anything changes
         if self.guidance > 1.0 and negative_prompt is None:
             raise ValueError(
                 f"guidance {self.guidance} > 1 needs a negative prompt (the uncond branch); pass "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+from ..validate import check_int
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,16 @@ class DiTConfig:
     rope_theta: float = 10000.0  # RoPE base (Wan's); small grids discriminate positions better with less
 
     def __post_init__(self) -> None:
+        for name in ("dim", "heads", "ffn", "layers", "text_dim", "text_len", "latent_h", "latent_w",
+                     "frames_per_chunk", "window_frames", "in_channels", "patch", "max_frames", "freq_dim"):
+            check_int(name, getattr(self, name), 1)
+        check_int("sink_frames", self.sink_frames, 0)
+        if self.freq_dim % 2:
+            raise ValueError(f"freq_dim must be even (a cos and a sin half), got {self.freq_dim}")
+        for name in ("eps", "rope_theta"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
         if self.latent_h % self.patch or self.latent_w % self.patch:
