@@ -49,6 +49,12 @@ def test_bad_arguments_fail_before_any_work(tmp_path, capsys, monkeypatch):
         (["pareto", "--plot", str(tmp_path)], "is a folder, expected a file"),
         (["demo", "--out", str(blocker)], "is a file, expected a folder"),
         (["bench", "--threads", "0"], "--threads must be >= 1, got 0"),
+        # found by a hostile battery: each ran (the whole experiment, or to a segfault) first
+        (["bench", "--threads", "100000"], "--threads must be <= 256, got 100000"),
+        (["pareto", "--plot", str(tmp_path / "p.txt")], "the file's suffix names its format"),
+        (["budget", "--plot", str(tmp_path / "p")], "the file's suffix names its format"),
+        (["fork", "--branches", "1000000"], "--branches must be <= 16, got 1000000"),
+        (["budget", "--query-scale", "1e308"], "--query-scale must be a number in [0, 1e4]"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -81,6 +81,11 @@ COUNTS = {"chunks": 1, "dit_chunks": 1, "synthetic_frames": 1, "threads": 1, "np
           "long_clips": 1, "long_factor": 1, "position_factor": 1, "headline_repeats": 1, "positions": 0,
           "quant": 0, "forks": 0, "chunk": 1, "residual": 1, "cert_tokens": 1, "read_tokens": 1, "toy_frames": 1,
           "segment": 2, "decode": 0, "position_clips": 0, "layers": 1, "lm_tokens": 2}
+#: counts with a largest sensible value (more threads than this crashed torch; more processes
+#: than this are not a measurement on one machine)
+COUNT_MAX = {"threads": 256, "nproc": 64}
+#: what a --plot may be written as (matplotlib's formats)
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
 #: seeds: every command takes a 32-bit seed (torch, numpy and Python generators all accept it)
 SEED_RANGE = (0, 2**32)
 #: options naming an output file, and options naming an output folder
@@ -96,6 +101,9 @@ def check_args(args: argparse.Namespace, files: Sequence[str] = ()) -> None:
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+        top = COUNT_MAX.get(name)
+        if top is not None and isinstance(value, int) and value > top:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {top}, got {value}")
     seed = getattr(args, "seed", None)
     if seed is not None and seed < SEED_RANGE[0]:
         raise UsageError(f"--seed must be >= 0, got {seed}")
@@ -105,6 +113,9 @@ def check_args(args: argparse.Namespace, files: Sequence[str] = ()) -> None:
         value = getattr(args, name, None)
         if value is not None:
             _check_writable(f"--{name}", Path(value), folder=name in OUTPUT_DIRS and name not in files)
+    plot = getattr(args, "plot", None)
+    if plot is not None and Path(plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {plot}: the file's suffix names its format, one of {', '.join(PLOT_SUFFIXES)}")
     device = getattr(args, "device", None)
     if isinstance(device, str):
         import torch

@@ -63,6 +63,9 @@ def check(args: argparse.Namespace) -> None:
     for name, lo in (("branches", 1), ("memory_branches", 1), ("read_repeats", 1), ("attention_repeats", 1)):
         if getattr(args, name) < lo:
             raise UsageError(f"{flag(name)} must be >= {lo}, got {getattr(args, name)}")
+    for name, hi in (("branches", 16), ("memory_branches", 64)):  # a grid of videos; full copies to compare with
+        if getattr(args, name) > hi:
+            raise UsageError(f"{flag(name)} must be <= {hi}, got {getattr(args, name)}")
     if any(not p.strip() for p in args.prompt):
         raise UsageError("--prompt must be a non-empty text")
     if args.no_video:
