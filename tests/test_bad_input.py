@@ -11,6 +11,7 @@ from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
 from kinds import CERTIFIED, KINDS, QUERY_SCORED, certify, params, policy_of
 from streamkv.policies import POLICIES
+from streamkv.quant import KVQuant
 
 S, W, C, H, D = 2, 7, 3, 2, 4
 CAP = S + W
@@ -163,6 +164,9 @@ def test_scored_commit_without_queries_names_the_layer_and_chunk(kind):
         (dict(num_layers=0), ValueError, "num_layers must be >= 1, got 0"),
         (dict(dtype=torch.int32), TypeError, "dtype must be a floating-point torch.dtype"),
         (dict(dtype=torch.float8_e4m3fn), ValueError, "dtype must be one of .* got torch.float8_e4m3fn"),
+        (dict(recall_slots=2**62), MemoryError, r"cannot be allocated \(k_shape=.*recall_slots=4611686018427387904"),
+        (dict(num_layers=2**40), MemoryError, r"cannot be allocated \(.*num_layers=1099511627776"),
+        (dict(quant=KVQuant("int8", residual=10**12)), ValueError, r"residual=1000000000000 must be <= the cache's"),
         (dict(device="nowhere"), ValueError, "device 'nowhere' is not a torch device"),
         (dict(buffers=(torch.zeros(2, 1, CAP, 2, 4), torch.zeros(2, 1, CAP, 2, 4))), ValueError, r"buffers K must have shape \(1, 1, 9, 2, 4\), got \(2, 1, 9, 2, 4\)"),
         (dict(buffers=(torch.zeros(1, 1, 1, 2, 4).expand(1, 1, CAP, 2, 4), torch.zeros(1, 1, CAP, 2, 4))), ValueError, "share memory"),

@@ -119,17 +119,21 @@ class KVCache:
         pol = make_policy(policy, **policy_params)
         pol.check_layout(layout)
         opts = as_pages(pages)
-        st = KVStorage(
-            k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
-            num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
-            buffers=buffers, quant=quant, sink=layout.sink, pages=opts,
-        )
+        what = (f"k_shape={tuple(k_shape)}, v_shape={tuple(v_shape)}, sink={sink}, window={window}, "
+                f"num_layers={num_layers}, recall_slots={recall_slots}, quant={quant!r}, dtype={dtype}")
+        with _allocating(what):
+            st = KVStorage(
+                k_shape, v_shape, seq_dim=seq_dim, head_dim=head_dim, capacity=layout.capacity, chunk=layout.chunk,
+                num_layers=num_layers, recall_slots=recall_slots, per_head=pol.per_head, dtype=dtype, device=device,
+                buffers=buffers, quant=quant, sink=layout.sink, pages=opts,
+            )
         if rope_at_read is not None:
             if not isinstance(rope_at_read, RopeAtRead):
                 raise TypeError(f"rope_at_read must be a streamkv RopeAtRead or None, got {type(rope_at_read).__name__}")
             rope_at_read.bind(sink=layout.sink, capacity=st.slots, per_head=pol.per_head or bool(st.recall_slots),
                               head_dim_size=st.k_shape[-1], device=st.device, chunk=layout.chunk)
-        self._assemble(layout, pol, st, rope_at_read, opts.history if opts is not None else 0)
+        with _allocating(what):
+            self._assemble(layout, pol, st, rope_at_read, opts.history if opts is not None else 0)
 
     def _assemble(self, layout: CacheLayout, pol: SlotPolicy, st: KVStorage, rope_at_read: Any, history: int) -> None:
         """The parts around a built storage (a new cache, or a branch of one)."""
@@ -718,3 +722,20 @@ def _cancelled_if_refused(own: PlannedPages | None):
         if own is not None:
             own.cancel()
         raise
+
+
+#: what torch's allocators say when a size cannot be had
+_NO_MEMORY = ("can't allocate memory", "Storage size calculation overflowed", "out of memory", "not enough memory")
+
+
+@contextmanager
+def _allocating(what: str):
+    """A cache's buffers that cannot be allocated: ``MemoryError`` naming the configuration (the
+    allocator's own ``RuntimeError`` names sizes, not the arguments that asked for them)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not any(m in str(exc) for m in _NO_MEMORY):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MemoryError(f"this cache's buffers cannot be allocated ({what}): {first[:200]}") from None

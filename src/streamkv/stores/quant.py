@@ -78,6 +78,8 @@ class QuantStore(Store):
         self.gk, self.gv = quant.groups(D, Dv)
         self.sink, self.capacity = sink, capacity
         self.c0 = sink if quant.sinks else 0
+        if quant.residual > capacity:  # more full-precision rows than the cache holds tokens: rows for nothing
+            raise ValueError(f"KVQuant residual={quant.residual} must be <= the cache's sink + window ({capacity})")
         self.ring = quant.residual + dims.chunk
         self.rows = self.c0 + self.ring
         L, S, H = num_layers, dims.slots, dims.heads
