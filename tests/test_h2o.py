@@ -125,3 +125,34 @@ def test_state_dict_resumes_identically_and_reset_clears_scores():
     assert a.accumulated.abs().sum() > 0
     a.reset()
     assert a.accumulated.abs().sum() == 0 and (a.slot_positions < 0).all()
+
+
+def test_a_reopened_chunk_replaces_what_its_first_commit_added():
+    """The first pass's queries of a rewritten chunk no longer count: the older tokens' scores after
+    its second commit are those of a stream that only ever saw the second pass (they were counted
+    twice), and the evictions that follow agree."""
+    from streamkv import KVCache
+
+    def build():
+        return KVCache((1, 12, 2, 4), (1, 12, 2, 4), seq_dim=1, sink=1, window=11, chunk=2, policy="h2o",
+                       dtype=torch.float64, budget=9)
+
+    g = torch.Generator().manual_seed(4)
+    data = [tuple(torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64) for _ in range(3)) for _ in range(8)]
+    redo = tuple(torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    a, b = build(), build()
+    for c in range(4):
+        for x, d in ((a, data[c]), (b, data[c] if c < 3 else redo)):
+            x.begin_chunk(c)
+            attend(d[2], x.layer(0).update(d[0], d[1], d[2]))
+            x.commit_chunk(c)
+    a.begin_chunk(3)  # reopened: rewritten with what b committed
+    attend(redo[2], a.layer(0).update(redo[0], redo[1], redo[2]))
+    a.commit_chunk(3)
+    assert torch.allclose(a.policy.accumulated, b.policy.accumulated, rtol=0, atol=1e-15)
+    for c in range(4, 8):
+        for x in (a, b):
+            x.begin_chunk(c)
+            attend(data[c][2], x.layer(0).update(*data[c][:2], data[c][2]))
+            x.commit_chunk(c)
+        assert torch.equal(a.slot_positions, b.slot_positions)

@@ -166,6 +166,10 @@ class ScoredPolicy(SlotPolicy):
     def on_new(self, slots: Tensor) -> None:
         """Slots ``[L, H, C]`` that a (re)opened chunk takes."""
 
+    def on_reopen(self) -> None:
+        """The last committed span is reopened (before :meth:`on_new` of its slots): state its
+        commit added is taken back, so that its second commit replaces the first."""
+
     # ------------------------------------------------------------------ binding
     def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
         super().bind(storage, layout, lifecycle)
@@ -251,6 +255,8 @@ class ScoredPolicy(SlotPolicy):
             # a reopened span keeps its slots (re-marked in case it was evicted: protect_newest=False)
             target = st.plan[..., :n]
             st.positions.scatter_(-1, target, pos.expand_as(target))
+            if not advance:
+                self.on_reopen()
             self.on_new(target)
 
         return Step(apply, writes=plan)
