@@ -224,6 +224,24 @@ def test_rope_refuses_tables_that_cannot_be_right(kwargs, match):
         Rope3D(12, 2, 2, **kwargs)
 
 
+def test_small_refusals_a_hostile_battery_found():
+    """Each was accepted: float positions (truncated to another token), a KVQuant basis of None,
+    an empty or repeated tau in a list (dropped silently, or run twice)."""
+    import argparse
+
+    from streamkv.quant import KVQuant
+    from streamkv_lab.commands.budget import _taus
+
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        Rope3D(12, 2, 2).angles(torch.tensor([1.5]))
+    with pytest.raises(ValueError, match="KVQuant basis must be 'identity' or 'hadamard', got None"):
+        KVQuant("int8", basis=None)
+    for text in ("0.1,,0.2", "0.1,0.1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _taus(text)
+    assert _taus("0.2,0.1") == (0.2, 0.1)
+
+
 @pytest.mark.parametrize("shift", [float("inf"), float("nan"), 0.0, -1.0])
 def test_schedule_refuses_a_shift_that_gives_nan(shift):
     with pytest.raises(ValueError, match="shift must be a finite number > 0"):

@@ -69,7 +69,12 @@ class Rope3D:
             )
 
     def angles(self, positions: Tensor) -> Tensor:
-        """Rotation angles ``float64 [..., head_dim // 2]`` for ``int64`` positions ``[...]``."""
+        """Rotation angles ``float64 [..., head_dim // 2]`` for ``int64`` positions ``[...]``
+        (integer tensors only: a float position would be truncated to another token)."""
+        if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex() \
+                or positions.dtype == torch.bool:
+            got = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+            raise TypeError(f"positions must be an integer tensor (token positions), got {got}")
         positions = positions.to(torch.long)
         if positions.numel():
             self.check_positions(int(positions.min()), int(positions.max()))

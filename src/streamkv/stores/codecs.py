@@ -395,7 +395,7 @@ class KVQuant:
         object.__setattr__(self, "_fmt", (kf, vf))
         for name in ("basis", "key_basis", "value_basis"):
             b = getattr(self, name)
-            if b is not None and b not in ("identity", "hadamard"):
+            if (b is not None or name == "basis") and b not in ("identity", "hadamard"):
                 raise ValueError(f"KVQuant {name} must be 'identity' or 'hadamard', got {b!r}")
         if self.group is not None and (isinstance(self.group, bool) or not isinstance(self.group, int)
                                        or self.group < 1):

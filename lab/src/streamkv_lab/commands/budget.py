@@ -76,11 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _taus(text: str) -> tuple[float, ...]:
     try:
-        taus = tuple(float(t) for t in text.split(",") if t.strip())
+        taus = tuple(float(t) for t in text.split(","))  # an empty item is refused, not dropped
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not taus or not all(0 < t < 1 for t in taus):
         raise argparse.ArgumentTypeError(f"taus must be in the open interval (0, 1), got {text!r}")
+    if len(set(taus)) != len(taus):
+        raise argparse.ArgumentTypeError(f"taus must differ, got {text!r}")
     return taus
 
 
