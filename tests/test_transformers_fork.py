@@ -100,3 +100,17 @@ def test_refusals_change_nothing(models):
     with pytest.raises(ValueError, match="n must be"):
         paged.fork(0)
     assert_same_state(before, snapshot(paged.kv))
+
+
+@pytest.mark.parametrize("kind", ["ring", "tova"])
+def test_a_saved_stream_continues_in_another_cache_exactly(models, kind):
+    """StreamKVCache.state_dict between forwards, load_state_dict into a fresh cache: generate()
+    goes on from it as from the original (a state loaded into .kv directly was refused at the next
+    forward with a message about a forward that never ran)."""
+    _, ours = models
+    a, b = _cache(ours, kind), _cache(ours, kind)
+    with torch.no_grad():
+        ours(input_ids=_prompt()[:, :-1], cache=a)
+    b.load_state_dict(a.state_dict())
+    got, want = _sample(ours, b, 3), _sample(ours, a, 3)
+    assert torch.equal(got.sequences, want.sequences) and max_diff(got.logits, want.logits) == 0

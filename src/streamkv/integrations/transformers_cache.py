@@ -209,7 +209,8 @@ class StreamKVCache(GenerateChecks, Cache):
         if kv.is_open and self._written != L:
             raise RuntimeError(
                 f"the previous forward stopped after writing {self._written} and attending {self._attended} of {L} "
-                f"layers: the open span is incomplete; call reset() and start the stream again"
+                f"layers: the open span is incomplete; call reset() and start the stream again (a state loaded "
+                f"into .kv directly: load it with StreamKVCache.load_state_dict)"
             )
         if kv.is_open:
             self._check_attended()
@@ -388,6 +389,27 @@ class StreamKVCache(GenerateChecks, Cache):
         """Forget the stream: every slot empty and zeroed, position 0 next. Buffers are kept."""
         self.kv.reset()
         self._written = self._attended = 0
+        self._prepared = False
+        self._stale = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream between two forwards (:meth:`~streamkv.caches.KVCache.state_dict` of
+        :attr:`kv`), to continue with :meth:`load_state_dict` in a cache of the same configuration.
+        Refused while a forward is incomplete (its open span is not a stream state)."""
+        L = self.num_layers
+        if self.kv.is_open and not self._written == self._attended == L:
+            raise RuntimeError(f"state_dict(): the last forward wrote {self._written} and attended {self._attended} "
+                               f"of {L} layers; save between two complete forwards")
+        return self.kv.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream of ``state`` (:meth:`state_dict`): the next ``generate()`` or forward
+        goes on from it. Refused as :meth:`~streamkv.caches.KVCache.load_state_dict` refuses (nothing
+        changes). Load through this method, not through :attr:`kv`: the wrapper's count of the
+        forward's layers follows the load."""
+        self.kv.load_state_dict(state)
+        L = self.num_layers
+        self._written = self._attended = L if self.kv.is_open else 0  # saved between complete forwards
         self._prepared = False
         self._stale = None
 
