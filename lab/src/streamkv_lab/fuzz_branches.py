@@ -9,7 +9,8 @@ how many boundaries it keeps (``history``), then a random sequence over the live
   forked, fed the same history): the attention outputs (float64), the slots and the stored K/V must
   be equal;
 - ``fork(n)``, ``n`` up to 8, and 8 at a case's first fork (each new branch's reference: a copy of its parent's reference, by
-  state dict, with the parent's kept states: a branch keeps its parent's boundaries); ``rewind(c)`` to a kept boundary (the reference loads the state it had there);
+  state dict, with the parent's kept states: a branch keeps its parent's boundaries);
+  ``rewind(c)`` to a kept boundary (the reference loads the state it had there);
   ``release()`` (its later calls refused); ``export_stream`` into a fresh paged cache through
   ``import_stream`` (its state must equal the branch's, and it replaces the branch from then on);
 - rejected calls: a fork with a span open, ``fork(0)``, a fork of an unpaged cache, a rewind to

@@ -21,8 +21,8 @@ to the part that owns the work in a line or two.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -618,8 +618,8 @@ class KVCache:
         """Give this cache's pages (and kept boundaries) back to the pool its branches share; every
         later call that reads or changes its stream is refused (what it was built as and where its
         stream stood -- shapes, kind, layout, counters -- still answer), and so is every read or
-        prepared step made before. Refused
-        (ValueError, nothing changes) for a cache built without ``pages=``: it has no pages to give."""
+        prepared step made before. Refused (ValueError, nothing changes) for a cache built without
+        ``pages=``: it has no pages to give."""
         self.branches.release()
 
     def export_stream(self, path: str | None = None) -> bytes | None:

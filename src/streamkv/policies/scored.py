@@ -299,8 +299,8 @@ class ScoredPolicy(SlotPolicy):
                 raise ValueError(
                     f"{'attention statistics' if self.needs_queries else f'{self.name} key scores'} of "
                     f"{what()} are not finite in layer(s) {bad}: NaN or inf in the cached "
-                    f"keys or the queries, or scores that overflow from huge ones; the chunk stays open and nothing was evicted (check_finite=False evicts "
-                    f"such tokens first instead, and counts them)"
+                    f"keys or the queries, or scores that overflow from huge ones; the chunk stays open and "
+                    f"nothing was evicted (check_finite=False evicts such tokens first instead, and counts them)"
                 )
         bad = valid & ~torch.isfinite(prio)
         prio = torch.where(bad, -math.inf, prio)  # (check_finite=False) non-finite scores leave first
