@@ -18,6 +18,10 @@ The span stays open after the forward: the next forward commits it (a scored pol
 the statistics of every layer's attention first). Lifecycle checks are host-int checks
 (layers in order, each layer attended by the streamkv attention function, the previous
 forward complete); a violation raises ``RuntimeError`` naming the layer.
+
+Why one module: :class:`StreamKVCache` is one transformers ``Cache`` whose lifecycle, layer
+checks, saved state and host counters (the layers written and attended in the open span) are one
+state machine; split, each part would read and reset the others' counters.
 """
 
 from __future__ import annotations
