@@ -5,6 +5,7 @@ merged, recall into the storage's recall slots, and the tiny DiT."""
 import pytest
 import torch
 
+from kinds import WINDOW
 from streamkv import CacheSet, KVCache
 from streamkv.attention import attend
 from streamkv.certify import Certifier, HistoryCheck
@@ -222,7 +223,7 @@ def test_reset_forgets_summaries_store_and_recall():
     assert cache.check.result()["violations"] == 0 and cache.check.result()["count_mismatch"] == 0
 
 
-@pytest.mark.parametrize("kind", ["ring", "chronological"])
+@pytest.mark.parametrize("kind", WINDOW)
 def test_a_detached_recaller_empties_its_recall_slots(kind):
     """Nothing keeps recalled tokens current once their owner is gone: they leave the reads, which
     are then the policy's own tokens (what a cache without recall slots fed the same stream reads)."""

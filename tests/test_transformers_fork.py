@@ -102,7 +102,7 @@ def test_refusals_change_nothing(models):
     assert_same_state(before, snapshot(paged.kv))
 
 
-@pytest.mark.parametrize("kind", ["ring", "tova"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_saved_stream_continues_in_another_cache_exactly(models, kind):
     """StreamKVCache.state_dict between forwards, load_state_dict into a fresh cache: generate()
     goes on from it as from the original (a state loaded into .kv directly was refused at the next
