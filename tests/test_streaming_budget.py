@@ -333,6 +333,24 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert "scope" in printed and "holdout" in printed and "error vs memory" in printed
 
 
+def test_cli_says_which_guarantee_failed_when_it_exits_1(tmp_path, capsys, monkeypatch):
+    """A failed tau check exits 1 naming the section and tau on stderr (it exited 1 silently)."""
+    import streamkv_lab.budget as budget
+
+    real = budget.run_streaming_budget
+
+    def failing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result["synthetic"]["mass"][0]["scoring"]["within_bound"] = False
+        return result
+
+    monkeypatch.setattr(budget, "run_streaming_budget", failing)
+    rc = main(["budget", "--syn-taus", "0.1", "--dit-taus", "0.2", "--dit-chunks", "2", "--dit-window-frames", "4",
+               "--query-scale", "0", "--json", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "the mass cache's guarantee failed in synthetic tau=0.1" in err
+
+
 def test_cli_rejects_bad_arguments(capsys):
     assert main(["budget", "--dit-chunks", "1"]) == 2
     assert "--dit-chunks must be in [2, 32]" in capsys.readouterr().err
