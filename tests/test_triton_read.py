@@ -29,9 +29,9 @@ finally:  # the rest of the session keeps its environment; the fixture below set
     else:
         os.environ["TRITON_INTERPRET"] = _ENV
 
-from streamkv.blockread import BlockPlan  # noqa: E402
+from streamkv.blockread import BlockPlan, Statistic, read_blocks  # noqa: E402
 from streamkv.kernels import interpreter_reason, triton_read, why_not  # noqa: E402
-from streamkv.kernels.cases import (CASES, ROTARIES, SIZES, compare, rotation_plan, segment,  # noqa: E402
+from streamkv.kernels.cases import (CASES, ROTARIES, SIZES, compare, case_plan, rotation_plan, segment,  # noqa: E402
                                     signed_permutation, within)
 from streamkv.positions import POSITION_MAPS  # noqa: E402
 from streamkv.rotary import Rope1D, Rotary  # noqa: E402
@@ -80,6 +80,35 @@ def test_case(name):
     if name == "nothing-visible":
         assert got.out[:, :, 0].isnan().all() and torch.isfinite(got.out[:, :, 1]).all()
         assert torch.isneginf(got.lse[:, :, 0]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_statistics_of_a_row_that_sees_a_nonfinite_key_match_the_block_loop(causal):
+    """Without the finiteness checks a stored key may be NaN or inf; a query row that sees it has a
+    NaN log-sum-exp. Its statistics are those of the block loop: 0 for every finite score, NaN for
+    the key's (a NaN is its key's maximum and poisons its sum); the other rows count as ever. The
+    causal rows see the key's block whole or not at all (a row that sees part of a block is poisoned
+    by a NaN score the block loop masks by adding -inf: see ARCHITECTURE's "One read")."""
+    B, H, D = TINY.batch, TINY.heads, TINY.features
+    g = torch.Generator().manual_seed(3)
+    S, Q = 21, 4
+    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64).float()
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k[0, 0, 14] = float("nan")
+    k[-1, H - 1, 14] = float("inf")  # q . k is NaN: the query has features of both signs
+    plan = case_plan(TINY, [segment(k, v, torch.arange(S).expand(H, -1), torch.float32)], S=S, Q=Q,
+                qpos=torch.tensor([5, 13, 14, 20]) if causal else None, causal=causal,
+                 statistic=Statistic(), device=CPU)
+    assert plan.block == 7 and q[-1, H - 1, 2:].gt(0).any() and q[-1, H - 1, 2:].lt(0).any()
+    want, got = read_blocks(q, plan), triton_read(q, plan, None)
+    assert want.key_max.isnan().sum() == 2  # the two keys; every other statistic finite
+    for name in ("key_max", "key_sum"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.isnan(), b.isnan()), name
+        fin = b.isfinite()
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+    lost = (want.key_sum[:, :14] > 0).all() if causal else (want.key_sum == 0).sum() == 0
+    assert lost  # the rows that do not see the keys still count
 
 
 def test_the_registry_covers_every_format_and_map():

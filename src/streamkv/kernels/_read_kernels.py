@@ -348,9 +348,15 @@ def stat_kernel(
                 if WINDOW:
                     hidden = hidden | (pos[None, :] <= qp[:, None] - window)
             lse = tl.load(LSE + (r64 * H + h) * GQ + g * Qn + qi, mask=tok, other=0.0).to(ACC)
-            p = tl.where(hidden, 0.0, tl.exp(s - lse[:, None]))
-            if DO_MAX:
-                kmax = tl.maximum(kmax, tl.max(p, 0))
+            # a row whose lse is not finite gives its finite scores 0 and a NaN one NaN, as the block
+            # loop: such a row only arises without the finiteness checks (a NaN or inf key it sees)
+            lse = tl.where((lse == lse) & (tl.abs(lse) < float("inf")), lse, float("inf"))
+            p = tl.minimum(tl.exp(s - lse[:, None]), 1.0, propagate_nan=tl.PropagateNan.ALL)
+            p = tl.where(hidden, 0.0, p)
+            if DO_MAX:  # a NaN probability is the key's maximum, as torch's amax
+                nan_seen = tl.max((p != p).to(tl.int32), 0) > 0
+                kmax = tl.maximum(kmax, tl.where(nan_seen, float("nan"), tl.max(p, 0)),
+                                  propagate_nan=tl.PropagateNan.ALL)
             if DO_SUM:
                 ksum += tl.sum(p.to(tl.float64), 0)
     if DO_MAX:

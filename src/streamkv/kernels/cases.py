@@ -315,9 +315,11 @@ def _randn(g: torch.Generator, *shape: int) -> Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64)
 
 
-def _plan(sz: Size, segs: list[Segment], *, S: int, Q: int, Dv: int | None = None, qpos: Tensor | None = None,
+def case_plan(sz: Size, segs: list[Segment], *, S: int, Q: int, Dv: int | None = None, qpos: Tensor | None = None,
           causal: bool = False, window: int | None = None, rotation: Any = None, statistic: Statistic | None = None,
           device: torch.device) -> BlockPlan:
+    """The plan of a case: ``segs`` over ``S`` slots in the ``[B, S, H, D]`` layout of ``sz``, ``Q``
+    query rows, blocks of 7 rows (several per read at every size), the log-sum-exp asked for."""
     B, H, D = sz.batch, sz.heads, sz.features
     dims = Dims((B, S, H, D), (B, S, H, Dv or D), seq=1, head=2, slots=S, chunk=Q)
     return BlockPlan(segs, dims, D ** -0.5, None if qpos is None else qpos.to(device), causal, window, rotation,
@@ -346,7 +348,7 @@ def _codes(fmt_index: int) -> Callable[[torch.device, Size], Case]:
         segs = [segment(k[..., :nh, :], v[..., :nh, :], pos[:, :nh], torch.float32, slots=hot_slots),
                 segment(k[..., nh:, :], v[..., nh:, :], pos[:, nh:], torch.float32, fmt=fmt, vfmt=vfmt, basis=(R, R),
                         slots=nh)]
-        plan = _plan(sz, segs, S=S, Q=Q, qpos=torch.arange(S - Q, S), causal=True, window=24 * sz.rows,
+        plan = case_plan(sz, segs, S=S, Q=Q, qpos=torch.arange(S - Q, S), causal=True, window=24 * sz.rows,
                      statistic=Statistic(rows=3), device=dev)
         return Case(q.to(dev), plan, KernelConfig(splits=2))
     return build
@@ -364,7 +366,7 @@ def _dense(dtype: torch.dtype, shape: str) -> Callable[[torch.device, Size], Cas
         k, v = _randn(g, B, H, S, D), _randn(g, B, H, S, D)
         pos = torch.arange(S).expand(H, -1).clone()
         pos[1, 5:9] = -1
-        plan = _plan(sz, [segment(k.to(dev), v.to(dev), pos, dtype)], S=S, Q=Q, qpos=torch.arange(S - Q, S),
+        plan = case_plan(sz, [segment(k.to(dev), v.to(dev), pos, dtype)], S=S, Q=Q, qpos=torch.arange(S - Q, S),
                      causal=True, window=20 * sz.rows if shape == "prefill" else None, device=dev)
         return Case(q.to(dev), plan)
     return build
@@ -429,7 +431,7 @@ def _limbs(map_kind: str) -> Callable[[torch.device, Size], Case]:
         cut = 9 * sz.rows
         segs = [segment(k[..., :cut, :], v[..., :cut, :], pos[:, :cut], torch.float64),
                 segment(k[..., cut:, :], v[..., cut:, :], pos[:, cut:], torch.float64, slots=cut)]
-        return Case(q.to(dev), _plan(sz, segs, S=S, Q=Q, rotation=rotation, device=dev))
+        return Case(q.to(dev), case_plan(sz, segs, S=S, Q=Q, rotation=rotation, device=dev))
     return build
 
 
@@ -445,7 +447,7 @@ def _paged(dev: torch.device, sz: Size) -> Case:
     pos[0, 13] = -1
     segs = [segment(k[..., :cut, :], v[..., :cut, :], pos[:, :cut], torch.float64, page=8, g=g),
             segment(k[..., cut:, :], v[..., cut:, :], pos[:, cut:], torch.float64, fmt="int2", page=8, g=g, slots=cut)]
-    return Case(q.to(dev), _plan(sz, segs, S=S, Q=Q, statistic=Statistic(), device=dev))
+    return Case(q.to(dev), case_plan(sz, segs, S=S, Q=Q, statistic=Statistic(), device=dev))
 
 
 def _tier(reduce: tuple[str, ...]) -> Callable[[torch.device, Size], Case]:
@@ -466,7 +468,7 @@ def _tier(reduce: tuple[str, ...]) -> Callable[[torch.device, Size], Case]:
         slots = torch.arange(S).flip(0).expand(H, -1).clone()
         segs = [segment(k.flip(-2), v.flip(-2), pos.flip(-1), torch.float64, slots=slots),
                 segment(kt, vt, tier_pos, torch.float64, fmt="int8", slots=None)]
-        return Case(q.to(dev), _plan(sz, segs, S=S, Q=Q, statistic=Statistic(rows=2, reduce=reduce), device=dev))
+        return Case(q.to(dev), case_plan(sz, segs, S=S, Q=Q, statistic=Statistic(rows=2, reduce=reduce), device=dev))
     return build
 
 
@@ -483,7 +485,7 @@ def _no_slot_seen(dev: torch.device, sz: Size) -> Case:
     kt, vt = _randn(g, B, H, T, D).to(dev), _randn(g, B, H, T, D).to(dev)
     segs = [segment(k, v, torch.arange(T + 6, T + 6 + S).expand(H, -1), torch.float64, slots=0),
             segment(kt, vt, torch.arange(T).expand(H, -1), torch.float64, slots=None)]
-    plan = _plan(sz, segs, S=S, Q=2, qpos=torch.tensor([T + 1, T + 8]), causal=True, statistic=Statistic(),
+    plan = case_plan(sz, segs, S=S, Q=2, qpos=torch.tensor([T + 1, T + 8]), causal=True, statistic=Statistic(),
                  device=dev)
     return Case(q.to(dev), plan, against_reference=False)
 
@@ -527,7 +529,7 @@ def _decode_split(dev: torch.device, sz: Size) -> Case:
     basis = (signed_permutation(D, g), signed_permutation(Dv, g))
     segs = [segment(k[..., :cut, :], v[..., :cut, :], pos[:, :cut], torch.float32),
             segment(k[..., cut:, :], v[..., cut:, :], pos[:, cut:], torch.float32, fmt="int4", basis=basis, slots=cut)]
-    plan = _plan(sz, segs, S=S, Q=Q, Dv=Dv, qpos=torch.tensor([S]), causal=True, statistic=Statistic(reduce=("sum",)),
+    plan = case_plan(sz, segs, S=S, Q=Q, Dv=Dv, qpos=torch.tensor([S]), causal=True, statistic=Statistic(reduce=("sum",)),
                  device=dev)
     return Case(q.to(dev), plan, KernelConfig(splits=3))
 
@@ -545,7 +547,7 @@ def _hidden_nan(dev: torch.device, sz: Size) -> Case:
     pos[:, 3:6] = -1
     k[..., 3:6, :] = float("nan")
     v[..., 3:6, :] = float("nan")
-    return Case(q.to(dev), _plan(sz, [segment(k.to(dev), v.to(dev), pos, torch.float32)], S=S, Q=Q, device=dev),
+    return Case(q.to(dev), case_plan(sz, [segment(k.to(dev), v.to(dev), pos, torch.float32)], S=S, Q=Q, device=dev),
                 against_reference=False)
 
 
@@ -558,7 +560,7 @@ def _nothing_visible(dev: torch.device, sz: Size) -> Case:
     q = _randn(g, B, H, Q, D)
     k, v = _randn(g, B, H, S, D).to(dev), _randn(g, B, H, S, D).to(dev)
     pos = torch.arange(5, 5 + S).expand(H, -1)
-    return Case(q.to(dev), _plan(sz, [segment(k, v, pos, torch.float64)], S=S, Q=Q, qpos=torch.tensor([4, 6]),
+    return Case(q.to(dev), case_plan(sz, [segment(k, v, pos, torch.float64)], S=S, Q=Q, qpos=torch.tensor([4, 6]),
                                  causal=True, device=dev))
 
 
