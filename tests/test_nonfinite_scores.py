@@ -10,6 +10,7 @@ import torch
 
 from kinds import QUERY_SCORED, params
 from streamkv import KVCache
+from streamkv.policies import POLICIES
 from streamkv.attention import attend
 
 B, D, SINK, WINDOW, C = 2, 4, 1, 12, 2
@@ -79,3 +80,55 @@ def test_the_mass_budget_stops_at_tau_over_the_finite_tokens():
     assert 6 in left and int(cache.policy.nonfinite.sum()) == 1
     candidates = [p for p in held if p >= SINK and p < 4 * C]
     assert len(left) < len(candidates)  # not every candidate
+
+
+@pytest.mark.parametrize("kind", QUERY_SCORED)
+def test_a_nan_in_a_sink_is_refused_at_the_commit_where_its_statistic_is_skipped(kind):
+    """A kind that never reads the sinks' statistics (``reads_sink_statistics`` False) has them
+    skipped by the read; a NaN sink key still makes the commit refuse under ``check_finite``
+    (the rows that see it have a NaN log-sum-exp: the skipped slots read NaN), changing nothing."""
+    extra = {"budget": 7} if "budget" in params(kind) else {}
+    cache = KVCache((B, SINK + WINDOW, 1, D), (B, SINK + WINDOW, 1, D), seq_dim=1, sink=SINK, window=WINDOW, chunk=C,
+                    policy=kind, dtype=torch.float64, **params(kind, **extra))
+    assert cache.policy.statistic.skip == (0 if cache.policy.reads_sink_statistics else SINK)
+    g = torch.Generator().manual_seed(1)
+    for c in range(3):
+        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+        cache.begin_chunk(c)
+        attend(q, cache.layer(0).update(k, v, q))
+        cache.commit_chunk(c)
+    cache.storage.store.keys[0][0, 0, 0, 0] = math.nan  # the sink's key, batch row 0, after its commit
+    k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
+    cache.begin_chunk(3)
+    attend(q, cache.layer(0).update(k, v, q))
+    before = {n: t.clone() for n, t in cache.state_dict().items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ValueError, match="not finite"):
+        cache.commit_chunk(3)
+    after = cache.state_dict()
+    assert all(torch.equal(t, after[n]) or torch.equal(t.isnan(), after[n].isnan()) and torch.equal(
+        t.nan_to_num(), after[n].nan_to_num()) for n, t in before.items())
+
+
+@pytest.mark.parametrize("kind", QUERY_SCORED)
+def test_skipping_the_sinks_statistics_changes_no_eviction(kind):
+    """A kind whose read skips the sinks' statistics evicts, chunk by chunk, exactly what it evicts
+    with them computed (the sinks never leave, and no other slot's statistic moves)."""
+    extra = {"budget": 7} if "budget" in params(kind) else {}
+    caches = []
+    for computed in (False, True):
+        cls = POLICIES[kind]
+        if computed:  # the same rule, reading every slot's statistic
+            cls = type(cls.__name__, (cls,), {"reads_sink_statistics": True})
+        pol = cls(**params(kind, **extra))
+        caches.append(KVCache((B, SINK + 2 + WINDOW, 1, D), (B, SINK + 2 + WINDOW, 1, D), seq_dim=1, sink=SINK + 2,
+                              window=WINDOW, chunk=C, policy=pol, dtype=torch.float64))
+    assert caches[1].policy.statistic.skip == 0
+    g = torch.Generator().manual_seed(4)
+    for c in range(10):
+        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+        for cache in caches:
+            cache.begin_chunk(c)
+            attend(q, cache.layer(0).update(k, v, q))
+            cache.commit_chunk(c)
+        assert torch.equal(caches[0].slot_positions, caches[1].slot_positions), c
+        assert torch.equal(caches[0].policy.dropped_mass_bound, caches[1].policy.dropped_mass_bound), c

@@ -111,6 +111,27 @@ def test_statistics_of_a_row_that_sees_a_nonfinite_key_match_the_block_loop(caus
     assert lost  # the rows that do not see the keys still count
 
 
+def test_skipped_slots_read_zero_or_nan_as_in_the_block_loop():
+    """A statistic that skips the first slots (``Statistic.skip``: the sinks of a kind that never
+    ranks them) reads 0 there, or NaN in a head whose rows saw a non-finite key (here a skipped
+    one: the commit must still learn of it), in the kernel as in the block loop."""
+    B, H, D = TINY.batch, TINY.heads, TINY.features
+    g = torch.Generator().manual_seed(5)
+    S, Q = 16, 3
+    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64).float()
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k[0, 0, 1] = float("nan")
+    plan = case_plan(TINY, [segment(k, v, torch.arange(S).expand(H, -1), torch.float32)], S=S, Q=Q,
+                     statistic=Statistic(skip=3), device=CPU)
+    want, got = read_blocks(q, plan), triton_read(q, plan, None)
+    for name in ("key_max", "key_sum"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert b[0, :3].isnan().all() and b[1:, :3].eq(0).all() and b[1:, 3:].gt(0).all(), name
+        assert torch.equal(a.isnan(), b.isnan()), name
+        fin = b.isfinite()
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+
+
 def test_the_registry_covers_every_format_and_map():
     assert {f"codes-{f}" for f in KV_FORMATS} <= set(CASES)
     assert {f"rope-{r}-{m}" for r in ROTARIES for m in POSITION_MAPS} <= set(CASES)

@@ -63,12 +63,41 @@ class Statistic:
 
     ``rows``: the query rows that count (None: every row of the span; ``r``: the newest ``r``
     rows of the span, e.g. SnapKV's observation window); ``reduce``: over those rows, the
-    batch and grouped query heads, ``"max"`` (``max_i p_ij``) and/or ``"sum"`` (``sum_i p_ij``)."""
+    batch and grouped query heads, ``"max"`` (``max_i p_ij``) and/or ``"sum"`` (``sum_i p_ij``);
+    ``skip``: the slots ``[0, skip)`` get no statistic (they read 0), for a policy that never
+    reads them (the sinks, which no scored policy evicts): on the CPU the pass leaves out the
+    rows of a segment whose slots the host knows (``Segment.slots`` an int), a quarter of its
+    products where the sinks are a quarter of the cache; a slot map and the Triton kernel compute
+    them, and the result is set to 0 alike."""
 
     rows: int | None = None
     reduce: tuple[str, ...] = ("max", "sum")
+    skip: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.skip, bool) or not isinstance(self.skip, int) or self.skip < 0:
+            raise ValueError(f"Statistic skip must be an int >= 0 (slots left out), got {self.skip!r}")
+
+    def finish(self, x: Tensor | None, slots: int, poisoned: Tensor | None) -> Tensor | None:
+        """A pass's reduction ``x [H, slots + 1]`` (its last column: the rows without a slot) as the
+        statistic, ``[H, slots]``, the skipped slots 0 (computed or not, they read alike) -- or NaN
+        in a head where ``poisoned [H, 1]`` (a counted row's log-sum-exp is NaN or +inf: a key it
+        sees is not finite, maybe a skipped one, whose own NaN would have told the commit)."""
+        if x is None:
+            return None
+        if self.skip:
+            x[:, :self.skip] = 0.0 if poisoned is None else torch.where(poisoned, math.nan, 0.0)
+        return x[:, :slots]
+
+    def poisoned(self, lse_rows: Tensor, heads: int, head_axis: int | None) -> Tensor | None:
+        """``[H, 1]`` bool for :meth:`finish`: a head with a counted row whose log-sum-exp
+        ``lse_rows [..., rows]`` (the attention layout's leading dims) is NaN or +inf; None
+        without skipped slots (nothing to tell)."""
+        if not self.skip:
+            return None
+        bad = (lse_rows.isnan() | lse_rows.isposinf()).any(-1)
+        bad = bad.movedim(head_axis, 0) if head_axis is not None else bad.unsqueeze(0)
+        return bad.reshape(heads, -1).any(-1, keepdim=True)
         if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
             raise ValueError(f"Statistic rows must be None (all) or an int >= 1, got {self.rows!r}")
         if not self.reduce or any(r not in ("max", "sum") for r in self.reduce):
@@ -331,6 +360,7 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     acc = torch.promote_types(qt.dtype, torch.float32)
     queries = _Queries(qs)
     fused = qt.device.type == "cpu" and _FUSED_CPU is not None and not torch.compiler.is_compiling()
+    poisoned = stat.poisoned(lse_rows, heads, ha)
     # a row that sees no cache slot (only an observer's rows) gives every slot 0, not NaN
     lse_rows = torch.where(torch.isfinite(lse_rows), lse_rows, math.inf)
     H, S, dev = heads, plan.slots, qt.device
@@ -345,13 +375,17 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         slots = seg.slot_index()
         if slots is None:
             continue
+        # rows of slots below stat.skip are left out where the host knows their slots
+        j0 = min(b - a, max(0, stat.skip - seg.slots - a)) if isinstance(seg.slots, int) else 0
+        if j0 == b - a:
+            continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
         qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)  # [..., D, G*r]
         codes = None if seg.visible and not plan.causal else _rank_masks(seg.positions[:, a:b], qpos, plan.window, dims)
         # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory; a slice of
         # keys at a time (at most _STAT_SCORES scores: the buffer is reused, not faulted in anew)
         step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
-        for j in range(0, b - a, step):
+        for j in range(j0, b - a, step):
             j2 = min(b - a, j + step)
             st, scratch = _scores(k[..., j:j2, :].to(acc), qk, scratch)
             masks = None if codes is None else (codes[0][..., j:j2, :], None if codes[1] is None else codes[1][..., j:j2, :],
@@ -363,7 +397,7 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
                 kmax.scatter_reduce_(-1, dest, bmax, reduce="amax")
             if ksum is not None:
                 ksum.scatter_add_(-1, dest, bsum)
-    return (None if kmax is None else kmax[:, :S]), (None if ksum is None else ksum[:, :S])
+    return stat.finish(kmax, S, poisoned), stat.finish(ksum, S, poisoned)
 
 
 def _scores(k: Tensor, qk: Tensor, scratch: Tensor | None) -> tuple[Tensor, Tensor | None]:

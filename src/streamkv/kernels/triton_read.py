@@ -634,8 +634,9 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig, native: bool) -> Bl
                 kmax.scatter_reduce_(-1, dest, smax, reduce="amax")
             if ksum is not None:
                 ksum.scatter_add_(-1, dest, ssum)
-        kmax = None if kmax is None else kmax[:, :S]
-        ksum = None if ksum is None else ksum[:, :S]
+        counted = lse_own.view(R, H, G, Q)[..., Q - rows_sel:].reshape(R, H, G * rows_sel)
+        poisoned = stat.poisoned(counted, H, 1)
+        kmax, ksum = stat.finish(kmax, S, poisoned), stat.finish(ksum, S, poisoned)
     out = out4.view(*rest, Hq, Q, Dv)
     out = out.squeeze(-3) if ha is None else out.movedim(-3, ha)
     lse = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -121,6 +121,9 @@ class ScoredPolicy(SlotPolicy):
     #: the per-key statistics the read computes for this policy (rows, reductions); ``max`` is
     #: also what ``dropped_mass_bound`` reports
     statistic: ClassVar[Statistic] = Statistic()
+    #: whether :meth:`priority` reads the sinks' statistics (no scored policy evicts a sink; one that
+    #: pools over neighbours reads them): False lets the read skip them (``Statistic.skip``)
+    reads_sink_statistics: ClassVar[bool] = True
     #: set by the cache: ``reader(layer, q) -> (max, sum)`` scores stored queries ``q`` (layer
     #: layout) over the layer's read, through the cache's one read (used when attention ran in
     #: another kernel)
@@ -173,6 +176,8 @@ class ScoredPolicy(SlotPolicy):
     # ------------------------------------------------------------------ binding
     def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
         super().bind(storage, layout, lifecycle)
+        if self.needs_queries and not self.reads_sink_statistics:
+            self.statistic = replace(self.statistic, skip=layout.sink)
         L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
         self._arange_c = torch.arange(C, device=dev)
         self._window_idx = torch.arange(layout.sink, cap, device=dev)
