@@ -10,6 +10,7 @@ import torch
 
 from kinds import QUERY_SCORED, params
 from streamkv import KVCache
+from streamkv.quant import KVQuant
 from streamkv.policies import POLICIES
 from streamkv.attention import attend
 
@@ -109,10 +110,12 @@ def test_a_nan_in_a_sink_is_refused_at_the_commit_where_its_statistic_is_skipped
         t.nan_to_num(), after[n].nan_to_num()) for n, t in before.items())
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("kind", QUERY_SCORED)
-def test_skipping_the_sinks_statistics_changes_no_eviction(kind):
+def test_skipping_the_sinks_statistics_changes_no_eviction(kind, quant):
     """A kind whose read skips the sinks' statistics evicts, chunk by chunk, exactly what it evicts
-    with them computed (the sinks never leave, and no other slot's statistic moves)."""
+    with them computed (the sinks never leave, and no other slot's statistic moves); dense, and
+    quantised with the sinks in full precision (the first hot rows, ``Segment.pinned``)."""
     extra = {"budget": 7} if "budget" in params(kind) else {}
     caches = []
     for computed in (False, True):
@@ -121,7 +124,8 @@ def test_skipping_the_sinks_statistics_changes_no_eviction(kind):
             cls = type(cls.__name__, (cls,), {"reads_sink_statistics": True})
         pol = cls(**params(kind, **extra))
         caches.append(KVCache((B, SINK + 2 + WINDOW, 1, D), (B, SINK + 2 + WINDOW, 1, D), seq_dim=1, sink=SINK + 2,
-                              window=WINDOW, chunk=C, policy=pol, dtype=torch.float64))
+                              window=WINDOW, chunk=C, policy=pol, dtype=torch.float64,
+                              quant=None if quant is None else KVQuant(quant, sinks=True)))
     assert caches[1].policy.statistic.skip == 0
     g = torch.Generator().manual_seed(4)
     for c in range(10):

@@ -66,9 +66,9 @@ class Statistic:
     batch and grouped query heads, ``"max"`` (``max_i p_ij``) and/or ``"sum"`` (``sum_i p_ij``);
     ``skip``: the slots ``[0, skip)`` get no statistic (they read 0), for a policy that never
     reads them (the sinks, which no scored policy evicts): on the CPU the pass leaves out the
-    rows of a segment whose slots the host knows (``Segment.slots`` an int), a quarter of its
-    products where the sinks are a quarter of the cache; a slot map and the Triton kernel compute
-    them, and the result is set to 0 alike."""
+    rows whose slots the host knows (``Segment.slots`` an int, or the ``pinned`` rows), a
+    quarter of its products where the sinks are a quarter of the cache; other rows and the
+    Triton kernel compute them, and the result is set to 0 alike."""
 
     rows: int | None = None
     reduce: tuple[str, ...] = ("max", "sum")
@@ -376,7 +376,8 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         if slots is None:
             continue
         # rows of slots below stat.skip are left out where the host knows their slots
-        j0 = min(b - a, max(0, stat.skip - seg.slots - a)) if isinstance(seg.slots, int) else 0
+        below = stat.skip - seg.slots if isinstance(seg.slots, int) else min(stat.skip, seg.pinned)
+        j0 = min(b - a, max(0, below - a))
         if j0 == b - a:
             continue
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read

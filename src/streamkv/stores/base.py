@@ -110,6 +110,9 @@ class Segment:
     #: non-finite rows before they become its rows: quantised codes under ``check_finite``): the
     #: block loop then hides a row by the mask alone, without zeroing it first
     finite: bool = False
+    #: a host promise that rows ``[0, pinned)`` hold slots ``[0, pinned)`` whatever ``slots`` maps
+    #: (a quantised store's full-precision sinks, the first of its hot rows)
+    pinned: int = 0
 
     @property
     def dense(self) -> bool:
