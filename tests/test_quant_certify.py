@@ -112,3 +112,37 @@ def test_recall_into_quantised_storage_is_refused():
                     recall_slots=6, quant="int8")
     with pytest.raises(ValueError, match="quantised storage"):
         Certifier(cache, sketch_bits=8, recall_tau=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("summary", ["blocks", "pooled", "sketch"])
+def test_boxes_hold_the_stored_rows_of_a_16_bit_quantised_cache(dtype, summary):
+    """A quantised store's rows are float32 decodes, finer than a bf16/fp16 cache dtype: the value
+    box (every summary) and the key boxes (block and pooled summaries) are rounded outward to hold
+    them. Rounded to nearest, a box missed a stored row, and the certificate fell below the float64
+    truth (an error of 1.5806 certified against 1.5820)."""
+    options = {"blocks": {}, "pooled": {"pool_events": 1, "block_tokens": 1}, "sketch": {"sketch_bits": 8}}[summary]
+    g = torch.Generator().manual_seed(7)
+    missed = 0
+    for _ in range(30):
+        cache = KVCache((1, 1, 1, 4), (1, 1, 1, 4), seq_dim=1, sink=0, window=1, chunk=1, policy="ring",
+                        dtype=dtype, quant="int8")
+        cert = Certifier(cache, **options)
+        k0, v0, k1, v1, q = (torch.randn(1, 1, 1, 4, generator=g).mul(2).to(dtype) for _ in range(5))
+        cache.begin_chunk(0)
+        cache.layer(0).update(k0, v0, q)
+        cache.commit_chunk(0)
+        stored_k, stored_v = (cache.storage.gather(0, w, torch.tensor([0])).flatten().double() for w in "kv")
+        cache.begin_chunk(1)
+        cache.layer(0).update(k1, v1, q)  # evicts position 0
+        s = cert.summaries[0]
+        vlo, vhi = s.vlo.flatten().double(), s.vhi.flatten().double()
+        missed += int(((stored_v < vlo) | (stored_v > vhi)).any())
+        if summary != "sketch":
+            lo, hi = s.lo.flatten().double(), s.hi.flatten().double()
+            missed += int(((stored_k < lo) | (stored_k > hi)).any())
+        c = cert.last[0]
+        full = torch.softmax(torch.stack([q.double().flatten() @ x.double().flatten() for x in (k0, k1)]) / 2, 0)
+        truth = (full[0] * v0.double() + full[1] * v1.double()).flatten() - c.out_kept.flatten()
+        assert float(c.mass.flatten()[0]) >= float(full[0]) and (truth.abs() <= c.error.flatten()).all()
+    assert missed == 0

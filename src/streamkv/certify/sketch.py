@@ -36,6 +36,7 @@ import math
 import torch
 from torch import Tensor
 from ..validate import check_int
+from .summary import round_down, round_up
 
 __all__ = ["KeySketch"]
 
@@ -137,8 +138,9 @@ class KeySketch:
                     self._quantize(h)
         vpos = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
         m4 = mask.unsqueeze(0).unsqueeze(-1)
-        self.vlo = torch.minimum(self.vlo, torch.where(m4, values, vpos).amin(dim=-2).to(self.value_dtype))
-        self.vhi = torch.maximum(self.vhi, torch.where(m4, values, -vpos).amax(dim=-2).to(self.value_dtype))
+        # outward: a quantised store's rows are float32 decodes, finer than a 16-bit value_dtype
+        self.vlo = torch.minimum(self.vlo, round_down(torch.where(m4, values, vpos).amin(dim=-2), self.value_dtype))
+        self.vhi = torch.maximum(self.vhi, round_up(torch.where(m4, values, -vpos).amax(dim=-2), self.value_dtype))
         self.nb = max(self.n)
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return labels

@@ -252,8 +252,9 @@ class BlockSummaries:
         self._hi[:, :, b] = torch.maximum(self._hi[:, :, b], round_up(hi_new, self.box_dtype))
         self._count[:, b] += mask.sum(-1, dtype=torch.int32)
         vpos = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
-        self.vlo = torch.minimum(self.vlo, torch.where(m4, values, vpos).amin(dim=-2).to(self.value_dtype))
-        self.vhi = torch.maximum(self.vhi, torch.where(m4, values, -vpos).amax(dim=-2).to(self.value_dtype))
+        # outward: a quantised store's rows are float32 decodes, finer than a 16-bit value_dtype
+        self.vlo = torch.minimum(self.vlo, round_down(torch.where(m4, values, vpos).amin(dim=-2), self.value_dtype))
+        self.vhi = torch.maximum(self.vhi, round_up(torch.where(m4, values, -vpos).amax(dim=-2), self.value_dtype))
         s.events.append(event_id)
         if pooled:
             trailing = 0
@@ -286,8 +287,10 @@ class BlockSummaries:
             feats.append(torch.cat(fh) if fh else torch.zeros((0, B * D), dtype=torch.float64))
         counts = [f.shape[0] for f in feats]
         g = max(1, max(-(-n // self.block_tokens) for n in counts))
-        lo = torch.full((B, H, g, D), math.inf, dtype=self.key_dtype)
-        hi = torch.full((B, H, g, D), -math.inf, dtype=self.key_dtype)
+        # float64 boxes of the stored keys, rounded outward to box_dtype below (a quantised store's
+        # keys are float32 decodes: key_dtype may not hold them)
+        lo = torch.full((B, H, g, D), math.inf, dtype=torch.float64)
+        hi = torch.full((B, H, g, D), -math.inf, dtype=torch.float64)
         cnt = torch.zeros((H, g), dtype=torch.int32)
         for h in range(H):
             n = counts[h]
@@ -299,7 +302,7 @@ class BlockSummaries:
                 labels = e[h][1]
                 labels.copy_(lab[start : start + labels.numel()])
                 start += labels.numel()
-            x = feats[h].view(n, B, D).to(self.key_dtype)  # exact: the stored keys
+            x = feats[h].view(n, B, D)  # the stored keys, float64: exact
             for j in range(int(lab.max()) + 1):
                 sel = lab == j
                 if sel.any():
