@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -504,13 +505,21 @@ class KVCache:
 
     def _score_stored(self, layer: int, q: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The policy's statistics of stored queries ``q`` over ``layer``'s read (the one block read:
-        rotated at read, every store and observer's rows alike); not causal."""
+        rotated at read, every store and observer's rows alike). The cache does not know the
+        attention the caller ran: the sums are the non-causal attention's, and the maxima the
+        larger of the non-causal and the position-causal attention's (a query that sees fewer keys
+        puts more on each), so that ``dropped_mass_bound`` and the mass budget's guarantee hold
+        for a query of either."""
         read = self.reads.read(layer, "mask")
         qt = self.storage.dims.attention(q)
-        qt, plan = read.block_plan(qt, scale=1.0 / math.sqrt(qt.shape[-1]), statistic=self.policy.statistic,
-                                   block=self.policy.score_block)
-        res = read_blocks(qt, plan)
-        return res.key_max, res.key_sum
+        scale = 1.0 / math.sqrt(qt.shape[-1])
+        stat, block = self.policy.statistic, self.policy.score_block
+        qr, plan = read.block_plan(qt, scale=scale, statistic=stat, block=block)
+        res = read_blocks(qr, plan)
+        if res.key_max is None or read.query_positions is None:
+            return res.key_max, res.key_sum
+        qr, plan = read.block_plan(qt, scale=scale, causal=True, statistic=replace(stat, reduce=("max",)), block=block)
+        return torch.maximum(res.key_max, read_blocks(qr, plan).key_max), res.key_sum
 
     def read(self, layer: int | None = None, occupancy: Occupancy | None = None) -> KVRead:
         """What attention reads from ``layer`` now (:class:`~streamkv.caches.read.KVRead`).

@@ -12,7 +12,8 @@ leaves first; ties by the older position first) and says how many it wants gone
 the positions, the attention statistics of the span's queries when the policy needs them
 (``needs_queries``: ``max_j = max_i p_ij`` and ``sum_j = sum_i p_ij`` over the span's queries
 and the batch, from the model's own attention pass, or from the queries given to
-``update(k, v, q)`` scored at the commit), and lazy per-head views of the keys and values. The
+``update(k, v, q)`` scored at the commit: maxima also of the position-causal attention, where
+larger, as the cache does not know the caller's), and lazy per-head views of the keys and values. The
 candidates are the held slots that are not sinks and (with ``protect_newest``) not the span
 just committed. If the wish leaves fewer than ``chunk`` free window slots for the next span,
 more go, in the same order: an *overflow*, counted per (layer, head).
