@@ -293,3 +293,24 @@ def test_inputs_are_not_mutated():
     M.linf_bound(M.dropped_mass(p, k), v)
     M.l2_bound(0.1, v)
     assert torch.equal(p, P_OK) and torch.equal(v, V_OK) and torch.equal(k, K_OK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_ranges_and_diameters_of_narrow_values_are_bounds(dtype):
+    """A range or a diameter is a bound: computed in float64 and rounded up to the values' dtype
+    (the float16 range of [-0.25, 1025] rounded to 1025, below the true 1025.25; cdist had no
+    16-bit kernels); a bad ``atol`` or mixed dtypes are refused by name."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        v = (torch.randn(9, 3, generator=g, dtype=torch.float64) * 300).to(dtype)
+        w = v.double()
+        assert (M.channel_range(v).double() >= w.amax(0) - w.amin(0)).all()
+        assert M.value_diameter(v).double() >= torch.cdist(w, w).max()
+    v = torch.tensor([[-0.25], [1025.0]], dtype=torch.float16)
+    assert float(M.linf_bound(0.5, v)[0]) >= 0.5 * 1025.25
+    p = torch.softmax(torch.randn(2, 3, generator=g, dtype=torch.float64), -1)
+    for atol in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="atol"):
+            M.check_attention(p, atol=atol)
+    with pytest.raises(ValueError, match="share a dtype"):
+        M.full_output(p.float(), torch.randn(3, 2, dtype=torch.float64))

@@ -241,3 +241,24 @@ def test_a_release_is_certified_over_what_the_cache_then_holds():
             assert cache.slot_positions[0, 0, S_ + W_:].tolist() == [2, 3, -1] and cert.stats["shortfalls"] >= 1
         cache.commit_chunk(c)
     assert check.result()["violations"] == 0
+
+
+def test_certificate_refuses_queries_that_are_not_the_open_spans():
+    """``Certifier.certificate(layer, q)`` names what is wrong: a layer out of range (was an
+    IndexError), the wrong feature size or rank, no open span (an AttributeError with causal), and
+    a query count other than the span's (more rows were certified with positions repeated)."""
+    cache = KVCache((1, 6, 2, 4), (1, 6, 2, 4), seq_dim=1, sink=1, window=5, chunk=2, policy="ring",
+                    dtype=torch.float64)
+    cert = Certifier(cache, causal=True)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="no span is open"):
+        cert.certificate(0, torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64))
+    cache.begin_chunk(0)
+    k, v, q = (torch.randn(1, 2, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    attend(q, cache.layer(0).update(k, v, q))
+    for layer, bad, match in ((5, q, r"layer must be in \[0, 1\), got 5"), (0, q[..., :3], "3 features"),
+                              (0, q[0], "rank 4"), (0, torch.cat([q, q], 1), "4 rows along seq_dim 1"),
+                              (0, q[:, :1], "1 rows along seq_dim 1")):
+        with pytest.raises(ValueError, match=match):
+            cert.certificate(layer, bad)
+    assert torch.equal(cert.certificate(0, q).error, cert.last[0].error)

@@ -299,6 +299,29 @@ def test_recall_bytes_are_the_copied_tokens():
     assert evicted == H * q.shape[1] - int((cache.storage.layer_positions(0)[:, : cache.storage.capacity] >= 0).sum())
 
 
+def test_spans_whose_certificate_stays_over_the_recall_target_are_counted():
+    """Recall is planned once per span from an estimate: a span whose recomputed certificate still
+    has a query above ``recall_tau`` x the head's value range is counted in ``over_target`` (the
+    slots were free: no shortfall), and every planned span under target is not."""
+    Hh, G, Dd, Cc = 2, 2, 4, 2
+    g = torch.Generator().manual_seed(33)
+    cache = KVCache((1, 7, Hh, Dd), (1, 7, Hh, Dd), seq_dim=1, sink=1, window=6, chunk=Cc, policy="ring",
+                    dtype=torch.float64, recall_slots=4)
+    tier = CompressedTier(cache, capacity=2, block=2, recall_tau=0.1)
+    over = 0
+    for c in range(14):
+        cache.begin_chunk(c)
+        k = torch.randn(1, Cc, Hh, Dd, generator=g, dtype=torch.float64) + (4.0 if c % 3 == 0 else 0.0)
+        v = torch.randn(1, Cc, Hh, Dd, generator=g, dtype=torch.float64)
+        q = torch.randn(1, Cc, Hh * G, Dd, generator=g, dtype=torch.float64) + 1.5
+        attend(q, cache.layer(0).update(k, v, q))
+        span = (tier.vmax[0] - tier.vmin[0]).double().view(1, Hh, 1)
+        over += int(bool((tier.last[0].error.amax(-1) > 0.1 * span).any()))
+        assert tier.stats["over_target"] == over, c
+        cache.commit_chunk(c)
+    assert over > 0 and tier.stats["shortfalls"] == 0 and tier.stats["plans"] == 14
+
+
 def test_without_recall_nothing_is_kept_on_the_host():
     """Only recall reads the host copy: a tier without ``recall_tau`` keeps none (no copy of the
     evicted K/V to the host, no host buffer growing with the stream); with recall it keeps every

@@ -443,6 +443,45 @@ def test_the_position_map_state_is_per_branch_and_moves_with_the_stream():
         assert torch.equal(_step(moved, d), _step(fresh, d))
 
 
+def test_one_branch_cannot_move_the_map_state_its_set_shares():
+    """A CacheSet built with one RopeAtRead shares its map state between branches (one ``use`` or
+    cut turns every branch). A reset, rewind or load of one branch alone would set that shared state
+    under the others: refused, nothing changed (before, the other branch silently read with the
+    reset map: 0.55 off); the whole set may, and branches that would take different states may not."""
+    g = torch.Generator().manual_seed(2)
+    cs = CacheSet("ring", k_shape=(1, SINK + WINDOW, 2, D), v_shape=(1, SINK + WINDOW, 2, D), seq_dim=1, sink=SINK,
+                  window=WINDOW, chunk=CHUNK, branches=("cond", "uncond"), dtype=f64, rope_at_read=_two_map_rope(),
+                  pages={"history": 4})
+    rope = cs["cond"].rope_at_read
+    assert cs["uncond"].rope_at_read is rope
+    for c in range(4):
+        cs.begin_chunk(c)
+        if c == 2:
+            _cut(cs["cond"])
+        for b in cs:
+            k, v, q = (torch.randn(1, CHUNK, 2, D, generator=g, dtype=f64) for _ in range(3))
+            attend(q, cs[b].layer(0).update(k, v, q))
+        cs.commit_chunk(c)
+    cut = rope.state()
+    saved = cs.state_dict()
+    for act in (lambda: cs.reset(branches=["cond"]), lambda: cs["cond"].reset(), lambda: cs["uncond"].rewind(1),
+                lambda: cs["cond"].load_state_dict({**saved["cond"], "rope_state": _two_map_rope().state()})):
+        with pytest.raises(ValueError, match="other cache"):
+            act()
+        assert rope.state() == cut and cs["cond"].end == cs["uncond"].end == 4 * CHUNK
+    mixed = {"cond": saved["cond"], "uncond": {**saved["uncond"], "rope_state": _two_map_rope().state()}}
+    with pytest.raises(ValueError, match="share one RopeAtRead"):
+        cs.load_state_dict(mixed)
+    assert rope.state() == cut
+    cs.rewind(1)  # the whole set: before the cut
+    assert rope.current.name == "sliding_sinks"
+    cs.load_state_dict(saved)
+    assert rope.state() == cut
+    cs["cond"].load_state_dict(saved["cond"])  # the state it holds: nothing moves under uncond
+    cs.reset()
+    assert rope.current.name == "sliding_sinks"
+
+
 def test_a_stream_continues_only_under_the_custom_map_it_was_rotated_by():
     """Two user maps of one name (closures of one factory) that rotate differently: a stream of one
     is refused by a cache of the other, as a stream of another map is."""
@@ -525,3 +564,21 @@ def test_a_certifier_on_a_branch_recalls_into_pages_of_its_own():
         assert torch.equal(chunk(branch, c), chunk(ref, c)), c
     assert certs[0].stats["recalled_tokens"] > 0
     assert torch.equal(parent.keys(0), held)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stream_keeping_rewind_boundaries_has_the_pages_to_go_on(kind):
+    """Each kept boundary may pin a version of every page: by default the pool has room for them
+    (a single stream with pages={'history': 2} was refused after 3 chunks, told to release a
+    branch it did not have); a pool made too small says which options give room."""
+    for history in (1, 2, 4):
+        cache = _build(kind, pages={"page": 1, "history": history})
+        rng = random.Random(f"history-{history}")
+        for _ in range(3 * history + 6):
+            _step(cache, _data(rng))
+        assert cache.rewind_chunks
+    small = _build(kind, pages={"page": 1, "history": 4, "spare": 1})
+    rng = random.Random("small")
+    with pytest.raises(RuntimeError, match="keep fewer rewind boundaries"):
+        for _ in range(30):
+            _step(small, _data(rng))

@@ -250,6 +250,9 @@ def test_a_map_that_reads_values_on_the_host_is_refused_with_the_reason():
         position_map("custom", fn=lambda inp, u: u.sum())
     with pytest.raises(TypeError, match="callable"):
         position_map("custom", fn=3)
+    for narrow in (torch.float32, torch.int32):  # float32 made 2**24 and 2**24 + 1 one position
+        with pytest.raises(ValueError, match=f"int64 or float64 positions, got {narrow}"):
+            position_map("custom", fn=lambda inp, u, t=narrow: inp.rank(u).to(t))
     ok = position_map("custom", fn=lambda inp, u: inp.rank(u) * 2)
     assert ok.name == "custom"
 

@@ -361,8 +361,9 @@ def _check_user_fn(fn: object) -> Callable[[MapInputs, Tensor], Tensor]:
     if not isinstance(out, Tensor) or tuple(out.shape) != (2, 3):
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"the custom position map must return a tensor shaped like its units [H, N] = (2, 3), got {got}")
-    if out.dtype not in (torch.int64, torch.float64, torch.float32, torch.int32):
-        raise ValueError(f"the custom position map must return int64 or float64 positions, got {out.dtype}")
+    if out.dtype not in (torch.int64, torch.float64):  # narrower types hold positions only below 2**24 or 2**31
+        raise ValueError(f"the custom position map must return int64 or float64 positions, got {out.dtype} "
+                         f"(float32 tells 2**24 from 2**24 + 1 apart no more: cast with .to(torch.float64))")
     return fn
 
 

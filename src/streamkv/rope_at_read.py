@@ -41,7 +41,9 @@ Why this long: the scope of rotation at read (what is rotated where, and its rou
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +102,8 @@ class RopeAtRead:
         self._selected = torch.zeros((), dtype=torch.long)
         self._host_selected = 0
         self._initial: dict[str, Any] | None = None
+        #: the caches built on this RopeAtRead (a CacheSet's branches share one): their map state is one
+        self._holders: weakref.WeakSet = weakref.WeakSet()
 
     # ------------------------------------------------------------------ binding
     def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device,
@@ -150,6 +154,31 @@ class RopeAtRead:
             self.device, self.sink_units = device, sink // tpu
             self._initial = self.state()  # what a reset returns to
 
+    def hold(self, cache: Any) -> None:
+        """Record ``cache`` as one that reads with this RopeAtRead (see :meth:`check_change`)."""
+        self._holders.add(cache)
+
+    def check_change(self, changing: Sequence[Any], state: dict[str, Any] | None, what: str) -> None:
+        """Raise ``ValueError`` where ``what`` on the caches ``changing`` would set this RopeAtRead's
+        state to ``state`` (None: as built), another than it holds, while a cache outside them
+        reads with it too (a branch of the same CacheSet, say): its rotation would change under
+        it. Changes nothing."""
+        if (self._initial if state is None else state) == self.state():
+            return
+        others = self._others(changing)
+        if others:  # a cache dropped by its user may wait for the cycle collector: not a reader
+            gc.collect()
+            others = self._others(changing)
+        if others:
+            raise ValueError(
+                f"{what} would set the position map state of a RopeAtRead that {len(others)} other cache(s) read "
+                f"with (the branches of one CacheSet share one): their rotation would change too; act on every "
+                f"cache that shares it (the whole set), or give each stream its own RopeAtRead (rope.fork())")
+
+    def _others(self, changing: Sequence[Any]) -> list[Any]:
+        return [c for c in self._holders if not any(c is x for x in changing) and not c.lifecycle.released
+                and c.device.type != "meta"]
+
     def use(self, map_name: str | int) -> None:
         """Select the map in use by name or index (a device write: recompiles nothing, captured
         graphs read it on replay). Raises ``ValueError`` for a map this RopeAtRead does not hold."""
@@ -173,6 +202,7 @@ class RopeAtRead:
         out.__dict__.update(self.__dict__)
         out.maps = [m.copy() for m in self.maps]
         out._selected = self._selected.clone()
+        out._holders = weakref.WeakSet()
         return out
 
     def state(self) -> dict[str, Any]:

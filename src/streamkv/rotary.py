@@ -20,7 +20,9 @@ the float64 frequency ``f`` (Python fractions, 2 pi to 60 digits). Stated error:
 any ``|d| < 2^53`` it is within :data:`ANGLE_ERROR` (2e-9 rad) of ``d f mod 2 pi`` -- where the
 naive float64 product ``d f`` is off by up to ``|d f| 2^-53`` (1.2e-4 rad at ``2^40``). Tested
 against exact rational arithmetic in ``tests/test_positions.py``. Float offsets (a map that
-returns fractional positions) use the plain float64 product.
+returns fractional positions, and every map held beside one in a
+:class:`~streamkv.rope_at_read.RopeAtRead`: its maps are selected on the device in one dtype)
+use the plain float64 product.
 
 Nothing here synchronises with the device or reads a host value from a tensor: every method is
 traceable (``torch.compile``) and capturable (CUDA graphs).

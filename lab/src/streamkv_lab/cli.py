@@ -19,6 +19,7 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -143,6 +144,11 @@ def _check_writable(flag: str, path: Path, folder: bool) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: cannot write there ({ancestor} is not a writable folder)")
+    try:  # os.access answers yes for root wherever the file system refuses (/proc, a read-only mount)
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there ({ancestor}: {exc.strerror or exc})") from None
 
 
 #: what the commands import beyond torch, and the extra of pyproject.toml that installs it

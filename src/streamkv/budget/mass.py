@@ -53,10 +53,13 @@ Why this long: the identity and its bounds are the proof the mass budget and the
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 
 import torch
 from torch import Tensor
+
+from ..validate import check_real
 
 __all__ = [
     "check_tau",
@@ -139,7 +142,7 @@ def check_attention(p: object, name: str = "attention", atol: float | None = Non
     n = p.shape[-1]
     if n == 0 or p.numel() == 0:
         return p
-    tol = row_sum_atol(p.dtype, n) if atol is None else float(atol)
+    tol = row_sum_atol(p.dtype, n) if atol is None else check_real("atol", atol, minimum=0.0)
     sums = p.sum(-1)
     off = (sums - 1).abs() > tol
     if off.any():
@@ -173,6 +176,8 @@ def check_keep(keep: object, p: Tensor, name: str = "keep") -> Tensor:
 
 
 def _check_pv(p: Tensor, v: Tensor) -> None:
+    if v.dtype != p.dtype:
+        raise ValueError(f"attention and values must share a dtype, got {p.dtype} and {v.dtype}")
     if v.shape[-2] != p.shape[-1]:
         raise ValueError(
             f"values must hold one row per cached token: attention has N={p.shape[-1]}, "
@@ -277,7 +282,8 @@ def channel_range(v: Tensor) -> Tensor:
     v = check_values(v)
     if v.shape[-2] == 0:
         raise ValueError("channel_range needs at least one cached value, got N=0")
-    return v.amax(-2) - v.amin(-2)
+    # the difference in float64 (exact for every narrower dtype), rounded up to v's: a range is a bound
+    return _round_up(v.amax(-2).double() - v.amin(-2).double(), v.dtype)
 
 
 def value_diameter(v: Tensor) -> Tensor:
@@ -289,8 +295,18 @@ def value_diameter(v: Tensor) -> Tensor:
     if v.shape[-2] == 0:
         raise ValueError("value_diameter needs at least one cached value, got N=0")
     # the direct differences: cdist's default switches to |a|^2 + |b|^2 - 2ab past 25 rows, which
-    # cancels to 0 for values far from the origin (a bound below the truth)
-    return torch.cdist(v, v, compute_mode="donot_use_mm_for_euclid_dist").amax(dim=(-2, -1))
+    # cancels to 0 for values far from the origin (a bound below the truth); in float64 (cdist has
+    # no 16-bit kernels), rounded up to v's dtype
+    w = v.double()
+    return _round_up(torch.cdist(w, w, compute_mode="donot_use_mm_for_euclid_dist").amax(dim=(-2, -1)), v.dtype)
+
+
+def _round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Float64 ``x`` in ``dtype``, rounded toward ``+inf`` (never below ``x``)."""
+    y = x.to(dtype)
+    if dtype == x.dtype:
+        return y
+    return torch.where(y.to(x.dtype) < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
 
 
 def _budget(budget: float | Tensor) -> float | Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -144,8 +145,9 @@ class Branches:
         C = self.cache.layout.chunk
         return [b.end // C for b in self.boundaries if b.end % C == 0]
 
-    def check_rewind(self, chunk_idx: int) -> int:
-        """Raise as :meth:`rewind` would; else the index of the boundary."""
+    def check_rewind(self, chunk_idx: int, together: Sequence[Any] = ()) -> int:
+        """Raise as :meth:`rewind` would (``together``: the other caches rewound with this one);
+        else the index of the boundary."""
         c = self.cache
         chunk_idx = check_int("chunk_idx", chunk_idx, 0)
         self.check_branchable(f"rewind({chunk_idx})", open_span_ok=True)
@@ -155,11 +157,14 @@ class Branches:
             raise ValueError(f"rewind({chunk_idx}): this cache keeps the boundaries before chunks {self.chunks()} "
                              f"(pages={{'history': {self.history}}} keeps the last {self.history}); the stream cannot "
                              f"return to position {end}")
+        rope = self.boundaries[keep[-1]].rope
+        if rope is not None:
+            c.rope_at_read.check_change([c, *together], rope, f"rewind({chunk_idx})")
         return keep[-1]
 
-    def rewind(self, chunk_idx: int) -> None:
+    def rewind(self, chunk_idx: int, together: Sequence[Any] = ()) -> None:
         c, st = self.cache, self.cache.storage
-        i = self.check_rewind(chunk_idx)
+        i = self.check_rewind(chunk_idx, together)
         b = self.boundaries[i]
         st.store.restore(b.store)
         st.positions.copy_(b.positions)

@@ -75,7 +75,7 @@ class KVCache:
         quant: quantised storage (:class:`~streamkv.quant.KVQuant`, or a format name of
             :data:`~streamkv.quant.KV_FORMATS` such as ``"int4"``): codes and scales instead of
             dense K/V, the sinks, the open span and a residual in full precision, every token
-            quantised once at its commit (:mod:`streamkv.quant_store`). Reads go block by block
+            quantised once at its commit (:mod:`streamkv.stores.quant`). Reads go block by block
             (``KVRead.load``); ``keys()``/``values()`` return dequantised copies.
         rope_at_read: optional :class:`~streamkv.rope_at_read.RopeAtRead`: the keys written are
             raw (un-rotated) and every read rotates keys and queries by its position map
@@ -152,6 +152,8 @@ class KVCache:
                            adds=lambda: self._observers.add_segments)
         self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
         self.branches = Branches(self, history)
+        if rope_at_read is not None:  # built: a reader of its map state from now on
+            rope_at_read.hold(self)
 
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: the policy's declared read-only properties
@@ -394,9 +396,12 @@ class KVCache:
         built (a cut of the old stream does not carry over). Buffers are kept (same ``data_ptr``)."""
         self.prepare_reset().run()
 
-    def prepare_reset(self) -> Step:
-        """Check and let the observers veto :meth:`reset`; nothing changes until the step runs."""
+    def prepare_reset(self, together: Sequence[KVCache] = ()) -> Step:
+        """Check and let the observers veto :meth:`reset`; nothing changes until the step runs.
+        ``together``: the other caches reset in the same step (a CacheSet's)."""
         self.checks.mutable("reset")
+        if self.rope_at_read is not None:
+            self.rope_at_read.check_change([self, *together], None, "a reset of this cache")
         own = self.storage.store.prepare_writes("all", "a reset", self.branches.kept_pages())  # forgets them first
         change = Change(self, "reset")
         with _cancelled_if_refused(own):
@@ -584,9 +589,12 @@ class KVCache:
         policy's statistics) and the observers may veto; a rejected state changes nothing."""
         self.prepare_load(state).run()
 
-    def prepare_load(self, state: dict[str, Any]) -> Step:
-        """Validate ``state`` and let the observers veto the load; nothing changes until the step runs."""
+    def prepare_load(self, state: dict[str, Any], together: Sequence[KVCache] = ()) -> Step:
+        """Validate ``state`` and let the observers veto the load; nothing changes until the step runs.
+        ``together``: the other caches loaded in the same step (a CacheSet's)."""
         counters = self.states.validate(state)
+        if self.rope_at_read is not None:
+            self.rope_at_read.check_change([self, *together], state["rope_state"], "a load of this cache's state")
         own = self.storage.store.prepare_writes("all", "a state-dict load", self.branches.kept_pages())
         change = Change(self, "load", state=state)
         with _cancelled_if_refused(own):

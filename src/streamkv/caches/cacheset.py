@@ -133,7 +133,8 @@ class CacheSet:
     def reset(self, branches: Iterable[str] | None = None) -> None:
         """``reset`` on every (or the named) branch; all or nothing (an observer of one branch
         that vetoes leaves every branch as it was)."""
-        _run_all([cache.prepare_reset for cache in self._select(branches)])
+        caches = self._select(branches)
+        _run_all([partial(cache.prepare_reset, caches) for cache in caches])
 
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -145,7 +146,10 @@ class CacheSet:
         if not isinstance(state, dict) or set(state) != set(self.branches):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"state dict must have branches {sorted(self.branches)}, got {got}")
-        _run_all([partial(self[name].prepare_load, state[name]) for name in self.branches])
+        caches = self._select(None)
+        _one_rope_state([(name, self[name], state[name].get("rope_state") if isinstance(state[name], dict) else None)
+                         for name in self.branches], "their states")
+        _run_all([partial(self[name].prepare_load, state[name], caches) for name in self.branches])
 
     # ------------------------------------------------------------ branches
     def fork(self, n: int = 1) -> list[CacheSet]:
@@ -169,13 +173,17 @@ class CacheSet:
     def rewind(self, chunk_idx: int) -> None:
         """``rewind`` every branch; all or nothing (every branch checked first; a refusal names the
         branch)."""
+        caches = self._select(None)
+        kept = []
         for name, cache in self._caches.items():
             try:
-                cache.branches.check_rewind(chunk_idx)
+                i = cache.branches.check_rewind(chunk_idx, caches)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise type(exc)(f"branch {name!r}: {exc}") from None
-        for cache in self._caches.values():
-            cache.rewind(chunk_idx)
+            kept.append((name, cache, cache.branches.boundaries[i].rope))
+        _one_rope_state(kept, f"their boundaries before chunk {chunk_idx}")
+        for cache in caches:
+            cache.branches.rewind(chunk_idx, caches)
 
     def release(self) -> None:
         """Give every branch's pages back; all or nothing (a branch released already is refused,
@@ -206,6 +214,19 @@ class CacheSet:
         plain = st["bf16_bytes"] * len(self.branches)
         return (f"CacheSet({self.kind!r}, branches={self.branches}, num_layers={self.num_layers}, "
                 f"{st['format']}, {self.nbytes / 2**20:.3g} MiB held (a plain bf16 set: {plain / 2**20:.3g} MiB))")
+
+
+def _one_rope_state(members: list[tuple[str, KVCache, Any]], what: str) -> None:
+    """Raise ``ValueError`` where branches that read with one RopeAtRead would take different
+    position map states (``members``: name, cache, the state it would take): one would win."""
+    first: dict[int, tuple[str, Any]] = {}
+    for name, cache, rope_state in members:
+        if cache.rope_at_read is None:
+            continue
+        seen = first.setdefault(id(cache.rope_at_read), (name, rope_state))
+        if seen[1] != rope_state:
+            raise ValueError(f"branches {seen[0]!r} and {name!r} share one RopeAtRead, and {what} hold different "
+                             f"position map states ({seen[1]!r} and {rope_state!r}): one would overwrite the other")
 
 
 def _run_all(prepare: list[Callable[[], Step]]) -> None:

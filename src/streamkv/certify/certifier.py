@@ -289,7 +289,11 @@ class Certifier(CacheObserver):
         (:meth:`query_rows`)."""
         if self.broken is not None:
             raise RuntimeError(f"this certifier cannot certify: {self.broken}")
+        layer = check_int("layer", layer, 0)
+        if layer >= len(self.summaries):
+            raise ValueError(f"layer must be in [0, {len(self.summaries)}), got {layer}")
         s, st = self.summaries[layer], self.storage
+        self._check_queries(q)
         pos = st.layer_positions(layer)  # [H, S]
         qh = self.query_rows(q)  # [R, H, G*n, D]
         qpos = None
@@ -305,6 +309,20 @@ class Certifier(CacheObserver):
             cert = self.quant.widen(cert, layer, qh, k, v, bias, scale=self.scale, n_tokens=self.cache.end,
                                     vlo=s.vlo, vhi=s.vhi, log_count=s.log_count())
         return cert
+
+    def _check_queries(self, q: Tensor) -> None:
+        """Refuse queries that are not the open span's in the cache's row layout, by name."""
+        st, span = self.storage, self.cache.open_span
+        if not isinstance(q, Tensor) or q.dim() != len(st.k_shape):
+            raise ValueError(f"q must be a tensor of rank {len(st.k_shape)} (the cache's row layout), got "
+                             f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+        if q.shape[-1] != st.k_shape[-1]:
+            raise ValueError(f"q has {q.shape[-1]} features and the cache's keys {st.k_shape[-1]}")
+        if span is None:
+            raise ValueError("a certificate is of the open span's queries: no span is open (begin_chunk / begin_tokens)")
+        if q.shape[st.seq_dim] != span[1]:
+            raise ValueError(f"q has {q.shape[st.seq_dim]} rows along seq_dim {st.seq_dim}; the open span "
+                             f"[{span[0]}, {span[0] + span[1]}) has {span[1]}")
 
     def query_rows(self, q: Tensor) -> Tensor:
         """``q`` in the cache's row layout -> ``[R, H, G * n, D]``: the query heads each key head

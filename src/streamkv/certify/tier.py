@@ -43,10 +43,13 @@ the step it was computed for, nothing else.
 **Recall**, planned at the first certified step of a span (later steps of the span keep it):
 per head, tier 2 and 3 blocks ranked on the device by an estimate of their part of the bound;
 the shortest prefix after which every query's L-inf error bound would be ``<= recall_tau x`` the
-head's value range is chosen on the device. One host read per plan (per layer and span: the
-chosen blocks, which the copy from host memory needs as host indices); the blocks are copied
-into the recall slots, their tier-2 entries masked, and the certificate recomputed (the
-guarantee is that certificate, not the plan). Blocks recalled for an earlier span are released
+head's value range, by that estimate, is chosen on the device. One host read per plan (per layer
+and span: the chosen blocks, which the copy from host memory needs as host indices); the blocks
+are copied into the recall slots, their tier-2 entries masked, and the certificate recomputed
+(the guarantee is that certificate, not the plan). The estimate is not a bound and the plan is
+not redone within the span: ``stats["over_target"]`` counts the plans whose recomputed
+certificate still has a query above target (one more host read per plan), ``shortfalls`` those
+whose blocks did not fit the free slots. Blocks recalled for an earlier span are released
 when their slots are needed. ``stats["h2d_bytes"]`` counts what was copied.
 
 Refused with the reason: a cache that is not ``[B, T, H, D]`` (rank 4, seq_dim 1, head_dim 2),
@@ -97,8 +100,9 @@ class CompressedTier(CacheObserver):
             per scale (default: the whole head).
         capacity: tier-2 entries per (layer, head), a multiple of ``block``.
         block: entries per block (the unit of recall and of tier 3).
-        recall_tau: recall until every query's certified L-inf error is ``<= recall_tau x`` the
-            head's value range (None: no recall; the cache must then have no recall slots).
+        recall_tau: recall, once per span, the blocks estimated to bring every query's certified
+            L-inf error to ``<= recall_tau x`` the head's value range (None: no recall; the cache
+            must then have no recall slots); ``stats["over_target"]`` counts the spans it did not.
         causal: position-causal queries (an LLM's prefill chunks), as :func:`~streamkv.attention.attend`.
         scale: the softmax scale (default ``1/sqrt(D)``).
         certify: ``True`` every step, ``False`` none, or an int ``k >= 1``: the steps of every
@@ -218,8 +222,9 @@ class CompressedTier(CacheObserver):
         self.last: list[Certificate | None] = [None] * L
         self._ref: list[Tensor | None] = [None] * L  # the last certificate's mean output (bound32's reference)
         self._stats: dict[str, Any] = {"steps": 0, "plans": 0, "recalled_blocks": 0, "recalled_tokens": 0,
-                                      "h2d_bytes": 0, "shortfalls": 0, "dropped_blocks": 0, "box_bytes_peak": 0,
-                                      "certify_seconds": 0.0, "h2d_bytes_per_span": [], "uncertified_steps": 0}
+                                      "h2d_bytes": 0, "shortfalls": 0, "over_target": 0, "dropped_blocks": 0,
+                                      "box_bytes_peak": 0, "certify_seconds": 0.0, "h2d_bytes_per_span": [],
+                                      "uncertified_steps": 0}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -604,6 +609,8 @@ class CompressedTier(CacheObserver):
                 self._stats["h2d_bytes_per_span"].append(0)
             if self._plan(layer, cert, parts):
                 cert, _ = self.certificate(layer, q)
+            # the plan ranks blocks by an estimate: count a span whose certificate stays over target
+            self._stats["over_target"] += int(bool((cert.error.amax(-1) > self._target(layer)).any()))
         self.last[layer] = cert
         self._stats["certify_seconds"] += time.perf_counter() - t0
 
@@ -641,6 +648,11 @@ class CompressedTier(CacheObserver):
         return cert, got
 
     # ------------------------------------------------------------------ recall
+    def _target(self, layer: int) -> Tensor:
+        """``[1, H, 1]``: recall's target for a query's L-inf error, ``recall_tau`` x the head's value range."""
+        span = (self.vmax[layer] - self.vmin[layer]).clamp(min=0.0)
+        return (self.recall_tau * span).double().view(1, self.H, 1)
+
     def _plan(self, layer: int, cert: Certificate, parts: dict) -> bool:
         """Recall, for every head with a query over target, the shortest prefix of its blocks by
         estimated contribution that brings every query under target (as far as the free recall
@@ -650,7 +662,7 @@ class CompressedTier(CacheObserver):
         H, blk, M = self.H, self.block, self.M
         dev = self.k_codes.device
         err = cert.error.amax(-1)  # [B, H, Q]
-        target = (self.recall_tau * (self.vmax[layer] - self.vmin[layer]).clamp(min=0.0)).double().view(1, H, 1)
+        target = self._target(layer)
         over = (err > target).any(dim=(0, 2))  # [H]
         counts = self._count_h[layer]  # recall keeps the counts on the host
         NB = max(1, -(-int(counts.max()) // blk))

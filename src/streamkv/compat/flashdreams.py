@@ -73,8 +73,8 @@ class CircularBlockKVCache:
         relative_rope_freqs: Tensor | None = None,
         interleaved: bool = True,
     ) -> None:
-        chunk_size, window_size, sink_size = (check_int(n, x) for n, x in (
-            ("chunk_size", chunk_size), ("window_size", window_size), ("sink_size", sink_size)))
+        chunk_size, window_size, sink_size = (check_int(n, x, low) for n, x, low in (
+            ("chunk_size", chunk_size, 1), ("window_size", window_size, 1), ("sink_size", sink_size, 0)))
         try:
             self._ring = RingCache(
                 tuple(k_shape), tuple(v_shape), seq_dim=seq_dim, sink=sink_size,
@@ -82,6 +82,9 @@ class CircularBlockKVCache:
             )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc} (pass device='cpu' on a CPU-only machine)") from None
+        except ValueError as exc:  # the ring's names: say which of this constructor's they are
+            raise ValueError(f"{exc} (the ring's chunk, window and sink are chunk_size={chunk_size}, "
+                             f"window_size={window_size} and sink_size={sink_size} here)") from None
         self.k_shape = tuple(self._ring.k_shape)
         self.v_shape = tuple(self._ring.v_shape)
         self.seq_dim = self._ring.seq_dim

@@ -339,7 +339,7 @@ def build_cache(
             the module docstring), ``cache.certifier``. None: a plain cache.
         quant: quantised storage (:class:`~streamkv.quant.KVQuant` or a format name such as
             ``"int4"``; None: the cache dtype): codes + scales, the sinks, the open span and a
-            residual in full precision, attended block by block (:mod:`streamkv.quant_store`);
+            residual in full precision, attended block by block (:mod:`streamkv.stores.quant`);
             ``cache.kv.nbytes`` counts what is allocated.
         tier: a dict of :class:`~streamkv.certify.tier.CompressedTier` options (``capacity``
             required; ``fmt``, ``group``, ``block``, ``recall_tau``, ``certify``, ``scale``, default

@@ -22,7 +22,9 @@ The commit refuses (``RuntimeError``, naming the layers and the chunk) when the 
 queries and a layer's never arrived, and (``ValueError``) when the priorities are not
 finite; either way nothing changed. It synchronises with the device once.
 ``dropped_mass_bound`` (per (layer, head), the last commit) is ``sum_{j evicted} max_j``: it
-bounds the mass any one query the statistic counts put on the evicted tokens -- every query of
+bounds, to the statistics' rounding (probabilities from float32 scores, or the cache dtype's
+where wider: up to ~1e-6 below the exact figure; not rounded outward, unlike a certificate),
+the mass any one query the statistic counts put on the evicted tokens -- every query of
 the scoring span, or the newest ``rows`` where the policy's statistic counts only those
 (SnapKV's observation window: an older query of the span may have lost more). NaN where a
 non-finite statistic left (``check_finite=False``: nothing bounds it).

@@ -30,7 +30,8 @@ def make_store(dims: Dims, *, quant: object, num_layers: int, dtype, device, sin
         page = opts.page or dims.chunk
         rows = dims.slots - (sink if q is not None and q.sinks else 0)
         own = max(1, -(-rows // page))
-        pool = PagePool(own + (own if opts.spare is None else opts.spare), page)
+        # default spare: a branch's worth, and one per kept boundary (each may pin a version of every page)
+        pool = PagePool(own + (own * (1 + opts.history) if opts.spare is None else opts.spare), page)
         table = PageTable(pool, pool.take(own, "a new cache"), device if str(device) != "meta" else "meta")
     if q is None:
         store = DenseStore(dims, num_layers=num_layers, dtype=dtype, device=device, buffers=buffers, table=table)

@@ -35,9 +35,10 @@ __all__ = ["PageOptions", "PagePool", "PageTable", "PlannedPages", "as_pages"]
 @dataclass(frozen=True)
 class PageOptions:
     """The ``pages=`` option of a cache: ``page`` rows a page (default: the chunk), ``spare``
-    physical pages beyond the cache's own (room for branches to write; default: as many as the
-    cache has), ``history`` chunk boundaries kept for :meth:`~streamkv.caches.KVCache.rewind`
-    (their pages stay referenced until they are dropped)."""
+    physical pages beyond the cache's own (room for branches and kept boundaries to write;
+    default: as many as the cache has, times ``1 + history``), ``history`` chunk boundaries kept
+    for :meth:`~streamkv.caches.KVCache.rewind` (their pages stay referenced until they are
+    dropped: each may pin a version of every page)."""
 
     page: int | None = None
     spare: int | None = None
@@ -83,8 +84,8 @@ class PagePool:
         if n > self.free:
             raise RuntimeError(
                 f"{why} needs {n} free page(s) and the page pool has {self.free} of {self.capacity} free: "
-                f"release a branch (cache.release()), or build the cache with more spare pages "
-                f"(pages={{'spare': N}})")
+                f"release a branch (cache.release()), keep fewer rewind boundaries (pages={{'history': N}}: each "
+                f"pins the pages it saw), or build the cache with more spare pages (pages={{'spare': N}})")
         return Reservation(self, n)
 
     @property
@@ -97,8 +98,9 @@ class PagePool:
         if n > len(self._free) - self.reserved:
             raise RuntimeError(
                 f"{why} needs {n} free page(s) and the page pool has {len(self._free) - self.reserved} of "
-                f"{self.capacity} free: release a branch (cache.release()), or build the cache with more spare "
-                f"pages (pages={{'spare': N}})")
+                f"{self.capacity} free: release a branch (cache.release()), keep fewer rewind boundaries "
+                f"(pages={{'history': N}}: each pins the pages it saw), or build the cache with more spare pages "
+                f"(pages={{'spare': N}})")
         got = [self._free.pop() for _ in range(n)]
         for p in got:
             self.refs[p] = 1
