@@ -112,8 +112,11 @@ def test_compat_errors_are_exceptions_not_asserts():
         fd.is_steady_state()
     with pytest.raises(ValueError, match=r"the next chunk \(0\), got 2"):
         fd.before_update(2)
-    with pytest.raises(ValueError, match=r"chunk \(3\) must be <= window \(2\)"):
+    with pytest.raises(ValueError, match=r"chunk \(3\) must be <= window \(2\).*chunk_size=3, window_size=2"):
         CircularBlockKVCache((1, 5, H, D), (1, 5, H, D), -3, 3, 2, 3, device="cpu", dtype=torch.float32)
+    for args, name in (((0, 2, 3), "chunk_size"), ((1, 0, 3), "window_size"), ((1, 2, -1), "sink_size")):
+        with pytest.raises(ValueError, match=f"{name} must be >="):  # was the ring's own name
+            CircularBlockKVCache((1, 5, H, D), (1, 5, H, D), -3, *args, device="cpu", dtype=torch.float32)
 
 
 def test_compat_does_not_import_flashdreams():
