@@ -310,3 +310,18 @@ def test_cacheset_commit_is_all_or_nothing():
     attend(q, cs["uncond"].update(k, v, q))  # the retry rewrites the chunk
     cs.commit_chunk(3)
     assert cs["cond"].next_chunk == cs["uncond"].next_chunk == 4 and not cs["cond"].is_open
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"rows": 0}, "rows must be None"), ({"rows": -3}, "rows must be None"), ({"rows": True}, "rows must be None"),
+    ({"rows": 2.5}, "rows must be None"), ({"reduce": ()}, "reduce must be a tuple"),
+    ({"reduce": ("mean",)}, "reduce must be a tuple"), ({"reduce": "max"}, "reduce must be a tuple"),
+    ({"skip": -1}, "skip must be an int"), ({"skip": 1.0}, "skip must be an int"),
+])
+def test_a_statistic_names_its_bad_field(kwargs, match):
+    """A policy's declared statistic is checked at construction (a reduce of ("mean",) ran: a mass
+    cache then evicted tokens carrying all of a query's mass and reported a bound of 0)."""
+    from streamkv.blockread import Statistic
+
+    with pytest.raises(ValueError, match=match):
+        Statistic(**kwargs)

@@ -582,3 +582,25 @@ def test_a_stream_keeping_rewind_boundaries_has_the_pages_to_go_on(kind):
     with pytest.raises(RuntimeError, match="keep fewer rewind boundaries"):
         for _ in range(30):
             _step(small, _data(rng))
+
+
+def test_the_shared_map_guard_counts_live_readers_and_checks_again_when_a_step_runs():
+    """A dropped cache no longer reads the map (it may wait for the cycle collector: the guard
+    collects before it refuses); a reset prepared before the shared map moved is refused when it
+    runs (it set the other branch's map back silently); a RopeAtRead a cache uses builds a CacheSet
+    (its meta probe was refused as a cache on another device)."""
+    rope = _two_map_rope()
+    a = _build("ring", rope=rope)
+    del a
+    b = _build("ring", rope=rope)
+    _cut(b)
+    b.reset()  # b alone reads the map now
+    assert rope.current.name == "sliding_sinks"
+    cs = CacheSet("ring", k_shape=(1, SINK + WINDOW, 2, D), v_shape=(1, SINK + WINDOW, 2, D), seq_dim=1, sink=SINK,
+                  window=WINDOW, chunk=CHUNK, branches=("cond", "uncond"), dtype=f64, rope_at_read=rope)
+    del b
+    step = cs["cond"].prepare_reset()  # the map as built: nothing would move
+    _cut(cs["cond"])
+    with pytest.raises(ValueError, match="other cache"):
+        step.run()
+    assert rope.map("block_relative").settings == {"cut": 3}

@@ -75,6 +75,10 @@ class Statistic:
     skip: int = 0
 
     def __post_init__(self) -> None:
+        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
+            raise ValueError(f"Statistic rows must be None (all) or an int >= 1, got {self.rows!r}")
+        if not isinstance(self.reduce, tuple) or not self.reduce or any(r not in ("max", "sum") for r in self.reduce):
+            raise ValueError(f"Statistic reduce must be a tuple naming 'max' and/or 'sum', got {self.reduce!r}")
         if isinstance(self.skip, bool) or not isinstance(self.skip, int) or self.skip < 0:
             raise ValueError(f"Statistic skip must be an int >= 0 (slots left out), got {self.skip!r}")
 
@@ -98,10 +102,6 @@ class Statistic:
         bad = (lse_rows.isnan() | lse_rows.isposinf()).any(-1)
         bad = bad.movedim(head_axis, 0) if head_axis is not None else bad.unsqueeze(0)
         return bad.reshape(heads, -1).any(-1, keepdim=True)
-        if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
-            raise ValueError(f"Statistic rows must be None (all) or an int >= 1, got {self.rows!r}")
-        if not self.reduce or any(r not in ("max", "sum") for r in self.reduce):
-            raise ValueError(f"Statistic reduce must name 'max' and/or 'sum', got {self.reduce!r}")
 
 
 @dataclass(frozen=True)

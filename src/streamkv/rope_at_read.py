@@ -141,10 +141,12 @@ class RopeAtRead:
         if chunk is not None and chunk % tpu:
             self._check_split_spans(f"chunk={chunk} tokens is not a whole number of position-map units", capacity,
                                     per_head)
-        if self.device is not None and (self.device != device or self.sink_units != sink // tpu):
+        probe = device.type == "meta"  # a probe (CacheSet validates on meta first): checks only, any device
+        if self.device is not None and ((self.device != device and not probe) or self.sink_units != sink // tpu):
             raise ValueError(f"this RopeAtRead serves caches on {self.device} with sink {self.sink_units} units; a "
-                             f"cache on {device} with sink {sink // tpu} units needs its own")
-        if device.type == "meta":  # a probe (CacheSet validates on meta first): checks only
+                             f"cache on {device if not probe else self.device} with sink {sink // tpu} units needs its "
+                             f"own")
+        if probe:
             return
         if self.device is None:
             for m in self.maps:
@@ -165,13 +167,12 @@ class RopeAtRead:
         it. Changes nothing."""
         if (self._initial if state is None else state) == self.state():
             return
-        others = self._others(changing)
-        if others:  # a cache dropped by its user may wait for the cycle collector: not a reader
-            gc.collect()
-            others = self._others(changing)
+        if self._others(changing):  # a cache dropped by its user may wait for the cycle collector: not a
+            gc.collect()  # reader (no reference to it is held here while collecting)
+        others = len(self._others(changing))
         if others:
             raise ValueError(
-                f"{what} would set the position map state of a RopeAtRead that {len(others)} other cache(s) read "
+                f"{what} would set the position map state of a RopeAtRead that {others} other cache(s) read "
                 f"with (the branches of one CacheSet share one): their rotation would change too; act on every "
                 f"cache that shares it (the whole set), or give each stream its own RopeAtRead (rope.fork())")
 

@@ -252,10 +252,11 @@ class KVCache:
         return self._step(apply, change, actions, f"the begin of positions [{start}, {start + n})", own)
 
     def _step(self, apply: Callable[[], None], change: Change, actions: Any, what: str,
-              own: PlannedPages | None = None) -> Step:
+              own: PlannedPages | None = None, still: Callable[[], None] | None = None) -> Step:
         """The cache's step of a planned change: it runs once, and only while the cache is where it
         was planned (a step planned before another begin, commit, reset, load, rewind or release
-        would apply slots, positions and pages that no longer hold): refused otherwise, nothing
+        would apply slots, positions and pages that no longer hold) and ``still()`` passes (a
+        condition outside the cache, checked again when the step runs): refused otherwise, nothing
         changed. Then the observers are told."""
         planned, ran = self.lifecycle.plan_epoch, []
 
@@ -263,6 +264,8 @@ class KVCache:
             if ran:
                 raise RuntimeError(f"{what}: this prepared step already ran; a step runs once (prepare it again)")
             self.lifecycle.check_plan(planned, what)
+            if still is not None:
+                still()
 
         def run_once() -> None:
             check()
@@ -400,8 +403,10 @@ class KVCache:
         """Check and let the observers veto :meth:`reset`; nothing changes until the step runs.
         ``together``: the other caches reset in the same step (a CacheSet's)."""
         self.checks.mutable("reset")
-        if self.rope_at_read is not None:
-            self.rope_at_read.check_change([self, *together], None, "a reset of this cache")
+        rope = self.rope_at_read
+        still = None if rope is None else (lambda: rope.check_change([self, *together], None, "a reset of this cache"))
+        if still is not None:  # and again when the step runs: the shared map may move in between
+            still()
         own = self.storage.store.prepare_writes("all", "a reset", self.branches.kept_pages())  # forgets them first
         change = Change(self, "reset")
         with _cancelled_if_refused(own):
@@ -417,7 +422,7 @@ class KVCache:
             if self.rope_at_read is not None:  # the map state is the stream's: the new one starts as built
                 self.rope_at_read.reset()
 
-        return self._step(apply, change, actions, "a reset", own)
+        return self._step(apply, change, actions, "a reset", own, still)
 
     # ================================================================ where the stream is
     @property
@@ -497,12 +502,13 @@ class KVCache:
 
     def keys(self, layer: int | None = None) -> Tensor:
         """The physical key buffer of ``layer`` (a view of the storage); for quantised storage a
-        dequantised copy of every slot (the values attention uses), physical order."""
+        dequantised copy of every slot, physical order: the stored values exactly (float32
+        decodes for a 16-bit cache, whose read rounds them to its dtype before attending)."""
         return self._stored(layer, "k")
 
     def values(self, layer: int | None = None) -> Tensor:
-        """The physical value buffer of ``layer`` (a view of the storage; a dequantised copy for
-        quantised storage)."""
+        """The physical value buffer of ``layer`` (a view of the storage; for quantised storage a
+        dequantised copy, as :meth:`keys`)."""
         return self._stored(layer, "v")
 
     def _stored(self, layer: int | None, which: str) -> Tensor:
@@ -593,8 +599,11 @@ class KVCache:
         """Validate ``state`` and let the observers veto the load; nothing changes until the step runs.
         ``together``: the other caches loaded in the same step (a CacheSet's)."""
         counters = self.states.validate(state)
-        if self.rope_at_read is not None:
-            self.rope_at_read.check_change([self, *together], state["rope_state"], "a load of this cache's state")
+        rope = self.rope_at_read
+        still = None if rope is None else (
+            lambda: rope.check_change([self, *together], state["rope_state"], "a load of this cache's state"))
+        if still is not None:  # and again when the step runs: the shared map may move in between
+            still()
         own = self.storage.store.prepare_writes("all", "a state-dict load", self.branches.kept_pages())
         change = Change(self, "load", state=state)
         with _cancelled_if_refused(own):
@@ -606,7 +615,7 @@ class KVCache:
             self.branches.forget()
             self.states.load(state, counters)
 
-        return self._step(apply, change, actions, "a state-dict load", own)
+        return self._step(apply, change, actions, "a state-dict load", own, still)
 
     # ================================================================ branches
     def fork(self, n: int = 1) -> list[KVCache]:
