@@ -82,6 +82,27 @@ def test_case(name):
         assert torch.isneginf(got.lse[:, :, 0]).all()
 
 
+def _poked(seed, S, Q, poke, **plan_kw):
+    """Float32 queries and one float32 segment of ``S`` rows at positions ``0..S-1`` (every head),
+    keys edited by ``poke(k)``; the plan with ``plan_kw`` (statistic, positions, causality)."""
+    B, H, D = TINY.batch, TINY.heads, TINY.features
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64).float()
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    poke(k)
+    return q, case_plan(TINY, [segment(k, v, torch.arange(S).expand(H, -1), torch.float32)], S=S, Q=Q, device=CPU,
+                        **plan_kw)
+
+
+def _same_statistics(got, want):
+    """The kernel's statistics: NaN where the block loop's are, and as close elsewhere."""
+    for name in ("key_max", "key_sum"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.isnan(), b.isnan()), name
+        fin = b.isfinite()
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_statistics_of_a_row_that_sees_a_nonfinite_key_match_the_block_loop(causal):
     """Without the finiteness checks a stored key may be NaN or inf; a query row that sees it has a
@@ -89,24 +110,18 @@ def test_statistics_of_a_row_that_sees_a_nonfinite_key_match_the_block_loop(caus
     the key's (a NaN is its key's maximum and poisons its sum); the other rows count as ever. The
     causal rows see the key's block whole or not at all (a row that sees part of a block is poisoned
     by a NaN score the block loop masks by adding -inf: see ARCHITECTURE's "One read")."""
-    B, H, D = TINY.batch, TINY.heads, TINY.features
-    g = torch.Generator().manual_seed(3)
-    S, Q = 21, 4
-    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64).float()
-    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k[0, 0, 14] = float("nan")
-    k[-1, H - 1, 14] = float("inf")  # q . k is NaN: the query has features of both signs
-    plan = case_plan(TINY, [segment(k, v, torch.arange(S).expand(H, -1), torch.float32)], S=S, Q=Q,
-                qpos=torch.tensor([5, 13, 14, 20]) if causal else None, causal=causal,
-                 statistic=Statistic(), device=CPU)
+    H = TINY.heads
+
+    def poke(k):
+        k[0, 0, 14] = float("nan")
+        k[-1, H - 1, 14] = float("inf")  # q . k is NaN: the query has features of both signs
+
+    q, plan = _poked(3, 21, 4, poke, qpos=torch.tensor([5, 13, 14, 20]) if causal else None, causal=causal,
+                     statistic=Statistic())
     assert plan.block == 7 and q[-1, H - 1, 2:].gt(0).any() and q[-1, H - 1, 2:].lt(0).any()
-    want, got = read_blocks(q, plan), triton_read(q, plan, None)
+    want = read_blocks(q, plan)
     assert want.key_max.isnan().sum() == 2  # the two keys; every other statistic finite
-    for name in ("key_max", "key_sum"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert torch.equal(a.isnan(), b.isnan()), name
-        fin = b.isfinite()
-        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+    _same_statistics(triton_read(q, plan, None), want)
     lost = (want.key_sum[:, :14] > 0).all() if causal else (want.key_sum == 0).sum() == 0
     assert lost  # the rows that do not see the keys still count
 
@@ -115,21 +130,11 @@ def test_skipped_slots_read_zero_or_nan_as_in_the_block_loop():
     """A statistic that skips the first slots (``Statistic.skip``: the sinks of a kind that never
     ranks them) reads 0 there, or NaN in a head whose rows saw a non-finite key (here a skipped
     one: the commit must still learn of it), in the kernel as in the block loop."""
-    B, H, D = TINY.batch, TINY.heads, TINY.features
-    g = torch.Generator().manual_seed(5)
-    S, Q = 16, 3
-    q = torch.randn(B, H, Q, D, generator=g, dtype=torch.float64).float()
-    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k[0, 0, 1] = float("nan")
-    plan = case_plan(TINY, [segment(k, v, torch.arange(S).expand(H, -1), torch.float32)], S=S, Q=Q,
-                     statistic=Statistic(skip=3), device=CPU)
-    want, got = read_blocks(q, plan), triton_read(q, plan, None)
-    for name in ("key_max", "key_sum"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert b[0, :3].isnan().all() and b[1:, :3].eq(0).all() and b[1:, 3:].gt(0).all(), name
-        assert torch.equal(a.isnan(), b.isnan()), name
-        fin = b.isfinite()
-        torch.testing.assert_close(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+    q, plan = _poked(5, 16, 3, lambda k: k[0, 0, 1].fill_(float("nan")), statistic=Statistic(skip=3))
+    want = read_blocks(q, plan)
+    for b in (want.key_max, want.key_sum):
+        assert b[0, :3].isnan().all() and b[1:, :3].eq(0).all() and b[1:, 3:].gt(0).all()
+    _same_statistics(triton_read(q, plan, None), want)
 
 
 def test_the_registry_covers_every_format_and_map():
