@@ -36,7 +36,10 @@ Several maps (``RopeAtRead(rotary, ["absolute", "sliding_sinks"])``) are all eva
 read and one is selected by a device index (:meth:`use`): switching maps, or changing a map's
 dynamic parameters, is a device write -- one compiled graph, one captured CUDA graph, for all.
 
-Why this long: the scope of rotation at read (what is rotated where, and its rounding) is stated here.
+Why one module: the scope of rotation at read (what is rotated where, and its rounding) is stated
+here, and the map state -- the maps, the selection, the caches that share them -- is one thing
+that ``use``, ``set``, a fork, a state load and the shared-state guard all change or read, and the
+:class:`RotationPlan` of every read takes from; split, each part would read the others' fields.
 """
 
 from __future__ import annotations

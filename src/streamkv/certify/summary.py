@@ -42,7 +42,9 @@ holds (``n1 e^U1 + n2 e^U2 <= (n1 + n2) e^max(U1, U2)`` and the united box's ``U
 least ``max(U1, U2)``): the bound loosens, stays valid, and summary memory stays bounded
 on an unbounded stream. Older history ends up in coarser blocks (log-structured).
 
-Why this long: what a block bounds, and when it regroups or merges, is what the certificate relies on.
+Why one module: what a block bounds, and when it regroups or merges, is what the certificate
+relies on; the boxes, counts and value box change together in ``add``, ``_regroup`` and
+``_merge_once`` over one private layout of sets and blocks, and split, each part would read it.
 """
 
 from __future__ import annotations
