@@ -85,13 +85,13 @@ def test_the_mass_budget_stops_at_tau_over_the_finite_tokens():
 
 @pytest.mark.parametrize("kind", QUERY_SCORED)
 def test_a_nan_in_a_sink_is_refused_at_the_commit_where_its_statistic_is_skipped(kind):
-    """A kind that never reads the sinks' statistics (``reads_sink_statistics`` False) has them
+    """A kind that never reads the sinks' statistics (``reads_protected_statistics`` False) has them
     skipped by the read; a NaN sink key still makes the commit refuse under ``check_finite``
     (the rows that see it have a NaN log-sum-exp: the skipped slots read NaN), changing nothing."""
     extra = {"budget": 7} if "budget" in params(kind) else {}
     cache = KVCache((B, SINK + WINDOW, 1, D), (B, SINK + WINDOW, 1, D), seq_dim=1, sink=SINK, window=WINDOW, chunk=C,
                     policy=kind, dtype=torch.float64, **params(kind, **extra))
-    assert cache.policy.statistic.skip == (0 if cache.policy.reads_sink_statistics else SINK)
+    assert cache.policy.statistic.skip == (0 if cache.policy.reads_protected_statistics else SINK)
     g = torch.Generator().manual_seed(1)
     for c in range(3):
         k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) for _ in range(3))
@@ -110,29 +110,44 @@ def test_a_nan_in_a_sink_is_refused_at_the_commit_where_its_statistic_is_skipped
         t.nan_to_num(), after[n].nan_to_num()) for n, t in before.items())
 
 
+@pytest.mark.parametrize("mode", ["plain", "causal", "window"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("kind", QUERY_SCORED)
-def test_skipping_the_sinks_statistics_changes_no_eviction(kind, quant):
-    """A kind whose read skips the sinks' statistics evicts, chunk by chunk, exactly what it evicts
-    with them computed (the sinks never leave, and no other slot's statistic moves); dense, and
-    quantised with the sinks in full precision (the first hot rows, ``Segment.pinned``)."""
+def test_skipping_the_protected_statistics_changes_no_eviction(kind, quant, dtype, mode):
+    """A kind whose read skips the statistics of the slots it never evicts (the sinks; the newest
+    chunk, which a dense store's pass leaves out by gathering the other rows) evicts, chunk by
+    chunk, exactly what it evicts with every statistic computed, with the same bound, and every
+    statistic it reads is the same; dense, and quantised with the sinks in full precision (the
+    first hot rows, ``Segment.pinned``); causal reads, with and without a window, included."""
     extra = {"budget": 7} if "budget" in params(kind) else {}
     caches = []
     for computed in (False, True):
         cls = POLICIES[kind]
         if computed:  # the same rule, reading every slot's statistic
-            cls = type(cls.__name__, (cls,), {"reads_sink_statistics": True})
+            cls = type(cls.__name__, (cls,), {"reads_protected_statistics": True})
         pol = cls(**params(kind, **extra))
         caches.append(KVCache((B, SINK + 2 + WINDOW, 1, D), (B, SINK + 2 + WINDOW, 1, D), seq_dim=1, sink=SINK + 2,
-                              window=WINDOW, chunk=C, policy=pol, dtype=torch.float64,
+                              window=WINDOW, chunk=C, policy=pol, dtype=dtype,
                               quant=None if quant is None else KVQuant(quant, sinks=True)))
-    assert caches[1].policy.statistic.skip == 0
+    skipping = not POLICIES[kind].reads_protected_statistics
+    assert caches[0].policy.statistic.newest == skipping and caches[1].policy.statistic.skip == 0
     g = torch.Generator().manual_seed(4)
+    how = {"plain": {}, "causal": {"causal": True}, "window": {"causal": True, "window": 5}}[mode]
     for c in range(10):
-        k, v, q = (torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+        k, v, q = ((torch.randn(B, C, 1, D, generator=g, dtype=torch.float64) * 3).to(dtype) for _ in range(3))
         for cache in caches:
             cache.begin_chunk(c)
-            attend(q, cache.layer(0).update(k, v, q))
+            attend(q, cache.layer(0).update(k, v, q), **how)
+        # the statistics the policy reads: every candidate's (not a sink, not the open span)
+        pos = caches[0].slot_positions
+        cand = (pos >= SINK + 2) & (pos < c * C)
+        for name in ("key_max", "key_sum"):
+            got, want = (cache.policy.state()[name] for cache in caches)
+            assert torch.equal(torch.where(cand, got, 0), torch.where(cand, want, 0)), (c, name)
+            if skipping:
+                assert not bool(torch.where(cand, 0, got).any()), (c, name)  # the others read 0
+        for cache in caches:
             cache.commit_chunk(c)
         assert torch.equal(caches[0].slot_positions, caches[1].slot_positions), c
         assert torch.equal(caches[0].policy.dropped_mass_bound, caches[1].policy.dropped_mass_bound), c

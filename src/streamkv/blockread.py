@@ -18,7 +18,10 @@ Statistics (``statistic``, :class:`Statistic`): per cache slot and head,
 span, or all), the batch and the grouped query heads, where ``p`` is the softmax over every row
 the read attends; float64 ``[H, S]``. They need the final normaliser, so they are a second pass
 over the blocks of the segments that hold cache slots (maxima taken in the scores' dtype, then
-widened; sums widened a slice of query rows at a time and accumulated in float64).
+widened; sums widened a slice of query rows at a time and accumulated in float64). Slots a policy
+never reads (the sinks; the open span where it protects it) are left out where the host can
+tell: whole rows below the sinks, and over one dense segment the rows that are neither, gathered
+first (:func:`_candidates`).
 
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
@@ -36,6 +39,7 @@ would import the other's private helpers.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +56,11 @@ __all__ = ["BlockPlan", "Statistic", "read_blocks"]
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 #: elements per slice of query rows widened at a time in the statistics pass (float64: 8 MiB)
 _STAT_ELEMENTS = 1 << 20
-#: scores per slice of keys in the statistics pass (float32: 16 MiB; the C allocator reuses a block
-#: of this size, where a larger one is mapped and faulted in anew at every read)
+#: scores per slice of keys in the statistics pass (float32: 16 MiB)
 _STAT_SCORES = 1 << 22
+#: per thread, the CPU buffer of the statistics pass's scores per dtype (:func:`_scores`): at most
+#: :data:`_STAT_SCORES` elements each, kept for the thread's life
+_SCRATCH = threading.local()
 
 
 @dataclass(frozen=True)
@@ -68,11 +74,17 @@ class Statistic:
     reads them (the sinks, which no scored policy evicts): on the CPU the pass leaves out the
     rows whose slots the host knows (``Segment.slots`` an int, or the ``pinned`` rows), a
     quarter of its products where the sinks are a quarter of the cache; other rows and the
-    Triton kernel compute them, and the result is set to 0 alike."""
+    Triton kernel compute them, and the result is set to 0 alike. ``newest``: the slots that
+    hold the open span's positions (from its first query position on) read 0 too, for a policy
+    that protects the newest chunk: on the CPU a dense segment's pass then gathers the rows it
+    scores (:func:`_candidates`: neither sinks nor the span, at most the rows less both), so
+    that neither the span's keys nor, for a causal read without a window, a causal mask are
+    computed (every such key precedes every query)."""
 
     rows: int | None = None
     reduce: tuple[str, ...] = ("max", "sum")
     skip: int = 0
+    newest: bool = False
 
     def __post_init__(self) -> None:
         if self.rows is not None and (isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1):
@@ -81,23 +93,30 @@ class Statistic:
             raise ValueError(f"Statistic reduce must be a tuple naming 'max' and/or 'sum', got {self.reduce!r}")
         if isinstance(self.skip, bool) or not isinstance(self.skip, int) or self.skip < 0:
             raise ValueError(f"Statistic skip must be an int >= 0 (slots left out), got {self.skip!r}")
+        if not isinstance(self.newest, bool):
+            raise ValueError(f"Statistic newest must be a bool, got {self.newest!r}")
 
-    def finish(self, x: Tensor | None, slots: int, poisoned: Tensor | None) -> Tensor | None:
+    def finish(self, x: Tensor | None, slots: int, poisoned: Tensor | None, newest: Tensor | None = None
+               ) -> Tensor | None:
         """A pass's reduction ``x [H, slots + 1]`` (its last column: the rows without a slot) as the
         statistic, ``[H, slots]``, the skipped slots 0 (computed or not, they read alike) -- or NaN
         in a head where ``poisoned [H, 1]`` (a counted row's log-sum-exp is NaN or +inf: a key it
-        sees is not finite, maybe a skipped one, whose own NaN would have told the commit)."""
+        sees is not finite, maybe a skipped one, whose own NaN would have told the commit).
+        ``newest``: ``[H, slots + 1]`` bool, the open span's slots (:func:`newest_slots`)."""
         if x is None:
             return None
+        fill = 0.0 if poisoned is None else torch.where(poisoned, math.nan, 0.0)
         if self.skip:
-            x[:, :self.skip] = 0.0 if poisoned is None else torch.where(poisoned, math.nan, 0.0)
+            x[:, :self.skip] = fill
+        if newest is not None:
+            x = torch.where(newest, fill, x)
         return x[:, :slots]
 
     def poisoned(self, lse_rows: Tensor, heads: int, head_axis: int | None) -> Tensor | None:
         """``[H, 1]`` bool for :meth:`finish`: a head with a counted row whose log-sum-exp
         ``lse_rows [..., rows]`` (the attention layout's leading dims) is NaN or +inf; None
         without skipped slots (nothing to tell)."""
-        if not self.skip:
+        if not self.skip and not self.newest:
             return None
         bad = (lse_rows.isnan() | lse_rows.isposinf()).any(-1)
         bad = bad.movedim(head_axis, 0) if head_axis is not None else bad.unsqueeze(0)
@@ -370,10 +389,24 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
     qpos = plan.query_positions[rows].repeat(groups) if plan.causal else None
     kmax = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "max" in stat.reduce else None
     ksum = torch.zeros((H, S + 1), dtype=torch.float64, device=dev) if "sum" in stat.reduce else None
-    scratch = None  # the slices' scores, one buffer for the pass
+    gathered = set()  # the segments scored whole from their gathered rows
+    n_span = plan.query_positions.numel() if stat.newest and plan.query_positions is not None else 0
+    for i, seg in enumerate(plan.segments):
+        got = _candidates(plan, seg, n_span) if n_span else None
+        if got is None:
+            continue
+        gathered.add(i)
+        k, held, dest = got
+        k = k.to(qs.dtype) if _fuse(seg, fused) else k  # the keys the attention pass read (_keys)
+        if plan.rotation is not None:
+            k = plan.rotation.keys_at(k, held)
+        qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)
+        # every gathered key precedes every query: a causal read needs a mask only for a window
+        codes = _rank_masks(held, qpos if plan.window is not None else None, plan.window, dims)
+        _scatter_statistics(k, qk, codes, dest, 0, lse_t, plan, kmax, ksum)
     for seg, a, b, key in _blocks(plan):
         slots = seg.slot_index()
-        if slots is None:
+        if slots is None or any(seg is plan.segments[i] for i in gathered):
             continue
         # rows of slots below stat.skip are left out where the host knows their slots
         below = stat.skip - seg.slots if isinstance(seg.slots, int) else min(stat.skip, seg.pinned)
@@ -383,34 +416,100 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
         qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)  # [..., D, G*r]
         codes = None if seg.visible and not plan.causal else _rank_masks(seg.positions[:, a:b], qpos, plan.window, dims)
-        # scores key-major, [..., s, G*r]: each key's reductions run along contiguous memory; a slice of
-        # keys at a time (at most _STAT_SCORES scores: the buffer is reused, not faulted in anew)
-        step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
-        for j in range(j0, b - a, step):
-            j2 = min(b - a, j + step)
-            st, scratch = _scores(k[..., j:j2, :].to(acc), qk, scratch)
-            masks = None if codes is None else (codes[0][..., j:j2, :], None if codes[1] is None else codes[1][..., j:j2, :],
-                                                 codes[2])
-            bmax, bsum = _reduce_block(st, masks, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
-            dest = slots[:, a + j:a + j2]
-            dest = torch.where(dest >= 0, dest, S).expand(H, -1)
-            if kmax is not None:
-                kmax.scatter_reduce_(-1, dest, bmax, reduce="amax")
-            if ksum is not None:
-                ksum.scatter_add_(-1, dest, bsum)
-    return stat.finish(kmax, S, poisoned), stat.finish(ksum, S, poisoned)
+        dest = slots[:, a:b]
+        dest = torch.where(dest >= 0, dest, S).expand(H, -1)
+        _scatter_statistics(k, qk, codes, dest, j0, lse_t, plan, kmax, ksum)
+    newest = newest_slots(plan)
+    return stat.finish(kmax, S, poisoned, newest), stat.finish(ksum, S, poisoned, newest)
 
 
-def _scores(k: Tensor, qk: Tensor, scratch: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``k @ qk`` into ``scratch`` where it can be (grown as needed; eager, no autograd): a fresh
-    buffer of a few MB is mapped and faulted in anew at every slice, at about 3 GB/s on a CPU."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (k.requires_grad or qk.requires_grad)):
-        return k @ qk, scratch
+def _scatter_statistics(k: Tensor, qk: Tensor, codes: tuple | None, dest: Tensor, j0: int, lse_t: Tensor,
+                        plan: BlockPlan, kmax: Tensor | None, ksum: Tensor | None) -> None:
+    """The statistics of keys ``k [..., s, D]`` from row ``j0`` on (their masks' ``codes``, their
+    slots ``dest [H, s]``, ``S`` for none) reduced into ``kmax``/``ksum`` ``[H, S + 1]``. Scores
+    key-major, ``[..., s, G*r]``: each key's reductions run along contiguous memory; a slice of
+    keys at a time (at most :data:`_STAT_SCORES` scores, into :func:`_scores`' buffer)."""
+    acc, H, ha = qk.dtype, plan.dims.heads, plan.dims.head_axis
+    s = k.shape[-2]
+    step = max(1, _STAT_SCORES * qk.shape[-2] // max(1, qk.numel()))
+    for j in range(j0, s, step):
+        j2 = min(s, j + step)
+        st = _scores(k[..., j:j2, :].to(acc), qk)
+        masks = None if codes is None else (codes[0][..., j:j2, :], None if codes[1] is None else codes[1][..., j:j2, :],
+                                            codes[2])
+        bmax, bsum = _reduce_block(st, masks, lse_t, plan.scale, H, ha, kmax is not None, ksum is not None)
+        if kmax is not None:
+            kmax.scatter_reduce_(-1, dest[:, j:j2], bmax, reduce="amax")
+        if ksum is not None:
+            ksum.scatter_add_(-1, dest[:, j:j2], bsum)
+
+
+def newest_slots(plan: BlockPlan) -> Tensor | None:
+    """``[H, S + 1]`` bool: the slots holding the open span's positions (from its first query
+    position on), for :meth:`Statistic.finish`; None unless the statistic leaves them out."""
+    stat, qpos = plan.statistic, plan.query_positions
+    if stat is None or not stat.newest or qpos is None or not qpos.numel():
+        return None
+    H, S = plan.dims.heads, plan.slots
+    count = torch.zeros((H, S + 1), dtype=torch.int32, device=qpos.device)  # a slot's rows may lie in two
+    for seg in plan.segments:                                               # segments, one of them hidden
+        idx = seg.slot_index()
+        if idx is None:
+            continue
+        dest = torch.where(idx >= 0, idx, S).expand(H, seg.n)
+        count.scatter_add_(-1, dest, (seg.positions >= qpos[:1]).expand(H, seg.n).to(torch.int32))
+    count[:, S] = 0
+    return count > 0
+
+
+def _candidates(plan: BlockPlan, seg: Segment, rows: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The rows of a dense segment whose statistic a policy reads, gathered (``Statistic.newest``):
+    neither a sink's (slots below ``skip``) nor the open span's (positions from its first query
+    position on), nor empty. Returns their keys ``[..., M, D]`` (attention layout, as stored),
+    positions ``[H, M]`` (-1 past a head's count) and slots ``[H, M]`` (``plan.slots`` there),
+    ``M`` the segment's rows less the sinks' and the span's ``rows`` (the span's slots lie in
+    the segment: every slot of the cache does); None where the segment does not qualify (codes,
+    a basis, pages, a slot map) or ``M`` is 0."""
+    stat, qpos = plan.statistic, plan.query_positions
+    if not seg.contiguous or not isinstance(seg.slots, int) or seg.slots or seg.n != plan.slots or qpos is None:
+        return None
+    lo = min(seg.n, stat.skip)
+    M = seg.n - lo - rows
+    if M <= 0:
+        return None
+    H = plan.dims.heads
+    pos = seg.positions[:, lo:].expand(H, -1)
+    keep = (pos >= 0) & (pos < qpos[:1])
+    rank = keep.cumsum(-1) - 1  # a kept row's rank among its head's kept rows: < M (see above)
+    dest = torch.where(keep, rank, M)
+    idx = torch.zeros((H, M + 1), dtype=torch.long, device=pos.device)
+    idx.scatter_(-1, dest, torch.arange(lo, seg.n, device=pos.device).expand(H, -1))
+    idx = idx[:, :M]
+    real = torch.arange(M, device=pos.device) < keep.sum(-1, keepdim=True)
+    held = torch.where(real, seg.positions.expand(H, -1).gather(-1, idx), -1)
+    slots = torch.where(real, idx, plan.slots)
+    gi = plan.dims.lay_out_heads(idx.unsqueeze(-1))
+    k = seg.keys.gather(-2, gi.expand(*seg.keys.shape[:-2], M, seg.keys.shape[-1]))
+    return k, held, slots
+
+
+def _scores(k: Tensor, qk: Tensor) -> Tensor:
+    """``k @ qk``, on the CPU (eager, no autograd) into this thread's buffer of the scores' dtype
+    (:data:`_SCRATCH`, grown as needed, at most :data:`_STAT_SCORES` elements): a fresh buffer of
+    a few MB is mapped and faulted in anew at every slice, at about 3 GB/s, and at every read
+    when a pass takes one slice (5 ms of SmolLM2's 8-ms product); the result is used before the
+    next call."""
+    if (k.device.type != "cpu" or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (k.requires_grad or qk.requires_grad))):
+        return k @ qk
     shape = (*torch.broadcast_shapes(k.shape[:-2], qk.shape[:-2]), k.shape[-2], qk.shape[-1])
     n = math.prod(shape)
-    if scratch is None or scratch.numel() < n or scratch.dtype != k.dtype:
-        scratch = torch.empty(n, dtype=k.dtype, device=k.device)
-    return torch.matmul(k, qk, out=scratch[:n].view(shape)), scratch
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = (k.dtype, torch.is_inference_mode_enabled())  # an inference tensor takes no write outside the mode
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = bufs[key] = torch.empty(n, dtype=k.dtype)
+    return torch.matmul(k, qk, out=buf[:n].view(shape))
 
 
 def _rank_masks(pos: Tensor, qpos: Tensor | None, window: int | None, dims: Dims

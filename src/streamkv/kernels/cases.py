@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blockread import BlockPlan, Statistic, read_blocks
+from ..blockread import BlockPlan, Statistic, newest_slots, read_blocks
 from ..positions import POSITION_MAPS, position_map
 from ..rope import Rope3D
 from ..rope_at_read import RopeAtRead
@@ -269,6 +269,9 @@ def reference(q: Tensor, plan: BlockPlan) -> dict[str, Tensor | None]:
                 val = p.amax(1) if red == "amax" else p.sum(1)
                 res["key_" + name] = acc.scatter_reduce_(-1, dest, val, reduce=red)[:, :S]
                 res["key_" + name][:, :st.skip] = 0.0  # the slots the statistic leaves out read 0
+                newest = newest_slots(plan)
+                if newest is not None:
+                    res["key_" + name].masked_fill_(newest[:, :S], 0.0)
                 count = 1 if red == "amax" else p.shape[1]
                 res["tol_key_" + name] = 2 * (rel * res["key_" + name] + count * ua)
     return res

@@ -78,7 +78,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blockread import BlockPlan, Statistic
+from ..blockread import BlockPlan, Statistic, newest_slots
 from ..rotary import _LIMB, FrameRope, Rope1D
 from ..scoring import Blockwise
 from ..stores import BF16Codec, Fp8Codec, IntCodec, Segment
@@ -636,7 +636,8 @@ def _read(qt: Tensor, plan: BlockPlan, config: KernelConfig, native: bool) -> Bl
                 ksum.scatter_add_(-1, dest, ssum)
         counted = lse_own.view(R, H, G, Q)[..., Q - rows_sel:].reshape(R, H, G * rows_sel)
         poisoned = stat.poisoned(counted, H, 1)
-        kmax, ksum = stat.finish(kmax, S, poisoned), stat.finish(ksum, S, poisoned)
+        newest = newest_slots(plan)
+        kmax, ksum = stat.finish(kmax, S, poisoned, newest), stat.finish(ksum, S, poisoned, newest)
     out = out4.view(*rest, Hq, Q, Dv)
     out = out.squeeze(-3) if ha is None else out.movedim(-3, ha)
     lse = None

@@ -34,7 +34,7 @@ class MassBudget(ScoredPolicy):
     """
 
     name = "mass"
-    reads_sink_statistics = False  # sinks never leave: their scores rank nothing
+    reads_protected_statistics = False  # sinks and a protected span never leave: their scores rank nothing
     example_params = {"tau": 0.2}
     cache_properties = ("tau",)
 

@@ -124,9 +124,11 @@ class ScoredPolicy(SlotPolicy):
     #: the per-key statistics the read computes for this policy (rows, reductions); ``max`` is
     #: also what ``dropped_mass_bound`` reports
     statistic: ClassVar[Statistic] = Statistic()
-    #: whether :meth:`priority` reads the sinks' statistics (no scored policy evicts a sink; one that
-    #: pools over neighbours reads them): False lets the read skip them (``Statistic.skip``)
-    reads_sink_statistics: ClassVar[bool] = True
+    #: whether :meth:`priority` reads the statistics of slots no policy evicts: the sinks, and the
+    #: newest chunk under ``protect_newest`` (one that pools over neighbours, or keeps a public
+    #: score of every slot, reads them): False lets the read skip them (``Statistic.skip``,
+    #: ``Statistic.newest``)
+    reads_protected_statistics: ClassVar[bool] = True
     #: set by the cache: ``reader(layer, q) -> (max, sum)`` scores stored queries ``q`` (layer
     #: layout) over the layer's read, through the cache's one read (used when attention ran in
     #: another kernel)
@@ -179,8 +181,8 @@ class ScoredPolicy(SlotPolicy):
     # ------------------------------------------------------------------ binding
     def bind(self, storage: KVStorage, layout: CacheLayout, lifecycle) -> None:
         super().bind(storage, layout, lifecycle)
-        if self.needs_queries and not self.reads_sink_statistics:
-            self.statistic = replace(self.statistic, skip=layout.sink)
+        if self.needs_queries and not self.reads_protected_statistics:
+            self.statistic = replace(self.statistic, skip=layout.sink, newest=self.protect_newest)
         L, H, cap, C, dev = storage.num_layers, storage.heads, storage.capacity, layout.chunk, storage.device
         self._arange_c = torch.arange(C, device=dev)
         self._window_idx = torch.arange(layout.sink, cap, device=dev)

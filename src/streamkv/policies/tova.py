@@ -24,7 +24,7 @@ class TOVA(FixedBudget):
     """Attention of the newest chunk; ``budget`` as :class:`~streamkv.policies.scored.FixedBudget`."""
 
     name = "tova"
-    reads_sink_statistics = False  # sinks never leave: their scores rank nothing
+    reads_protected_statistics = False  # sinks and a protected span never leave: their scores rank nothing
 
     def priority(self, scores: Scores) -> Tensor:
         return scores.key_sum
