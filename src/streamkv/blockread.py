@@ -79,7 +79,14 @@ class Statistic:
     that protects the newest chunk: on the CPU a dense segment's pass then gathers the rows it
     scores (:func:`_candidates`: neither sinks nor the span, at most the rows less both), so
     that neither the span's keys nor, for a causal read without a window, a causal mask are
-    computed (every such key precedes every query)."""
+    computed (every such key precedes every query).
+
+    The NaN of a poisoned head over-approximates: on the CPU a key with an infinite component,
+    hidden by causality from a row, still makes that row's log-sum-exp and output NaN (the fused
+    kernel adds the mask's ``-inf`` to its ``+inf`` score), so a policy that skips slots refuses
+    that commit under ``check_finite`` where one that computes every statistic takes it with the
+    NaN output row, and the Triton kernel, which masks before it adds, takes it with a finite
+    one."""
 
     rows: int | None = None
     reduce: tuple[str, ...] = ("max", "sum")
