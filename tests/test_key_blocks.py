@@ -3,6 +3,7 @@ materialises whole rows: equal outputs, log-sum-exps and per-slot statistics, wh
 segments, block boundaries, masks, storage bases and slot maps; and ``attend`` through it equal to
 the dense read."""
 
+import itertools
 import math
 
 import pytest
@@ -373,3 +374,22 @@ def test_causal_statistics_are_exact_at_positions_float32_cannot_hold(window, mo
         assert torch.allclose(a.key_max, ref.key_max, rtol=1e-11, atol=1e-12)
         assert torch.allclose(a.key_sum, ref.key_sum, rtol=1e-11, atol=1e-12)
     assert torch.equal(got[0].key_max, got[1].key_max) and torch.equal(got[0].key_sum, got[1].key_sum)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_gathered_rows_are_gathers_rows_in_every_storage_order(order):
+    """The statistics pass's row gather (one ``index_select`` over the buffer seen as rows) takes
+    the rows ``gather`` takes, in every storage order of (batch, head, token), from a view at an
+    offset in a larger buffer, over a broadcast batch, and with strided features (its fallback)."""
+    from streamkv.blockread import _gather_rows
+
+    g = torch.Generator().manual_seed(sum(i * 3 ** k for k, i in enumerate(order)))
+    n, D, M = 11, 5, 7
+    for B, H in ((1, 1), (2, 3), (3, 1)):
+        sizes = (B, H, n)
+        store = torch.randn(2, *[sizes[p] for p in order], D, generator=g)[1]  # a layer's view: an offset
+        t = store.permute(*[order.index(i) for i in range(3)], 3)  # [B, H, n, D]
+        idx = torch.randint(0, n, (1, H, M), generator=g)
+        for view in (t, t[:1].expand(B, H, n, D), torch.randn(B, H, n, 2 * D, generator=g)[..., ::2]):
+            want = view.gather(-2, idx.unsqueeze(-1).expand(B, H, M, D))
+            assert torch.equal(_gather_rows(view, idx), want), (B, H)
