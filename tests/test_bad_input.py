@@ -171,6 +171,9 @@ def test_scored_commit_without_queries_names_the_layer_and_chunk(kind):
         (dict(buffers=(torch.zeros(2, 1, CAP, 2, 4), torch.zeros(2, 1, CAP, 2, 4))), ValueError, r"buffers K must have shape \(1, 1, 9, 2, 4\), got \(2, 1, 9, 2, 4\)"),
         (dict(buffers=(torch.zeros(1, 1, 1, 2, 4).expand(1, 1, CAP, 2, 4), torch.zeros(1, 1, CAP, 2, 4))), ValueError, "share memory"),
         (dict(buffers=(torch.zeros(1, 1, CAP, 2, 4),) * 2), ValueError, "buffers K and V share memory"),
+        (dict(buffers=(torch.zeros(1000).as_strided((1, 1, CAP, 2, 4), (100, 100, 10, 4, 2)),
+                       torch.zeros(1, 1, CAP, 2, 4))), ValueError, r"buffers K may have elements that share memory: "
+                                                                   r"its strides \(100, 100, 10, 4, 2\)"),
     ],
 )
 @pytest.mark.parametrize("kind", list(POLICIES))
@@ -325,3 +328,20 @@ def test_a_statistic_names_its_bad_field(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         Statistic(**kwargs)
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_sliced_buffers_are_taken_and_read_as_dense_ones(kind):
+    """Buffers whose elements do not overlap though torch cannot tell (a strided slice) are taken,
+    and the cache over them reads what one over its own buffers reads."""
+    sliced = tuple(torch.zeros(1, 1, CAP, H, 2 * n)[..., ::2] for n in (D, D + 1))
+    caches = [_cache(kind), _cache(kind, buffers=sliced)]
+    for c in range(4):
+        k, v, q = _kvq(c)
+        outs = []
+        for cache in caches:
+            cache.begin_chunk(c)
+            outs.append(attend(q, cache.layer(0).update(k, v, q))[0])
+            cache.commit_chunk(c)
+        assert torch.equal(*outs), c
+    assert caches[1].keys(0).data_ptr() == sliced[0].data_ptr()

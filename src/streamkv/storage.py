@@ -142,11 +142,9 @@ class KVStorage:
                 raise ValueError(f"buffers {name} must be a dense (strided) tensor, got layout {t.layout}")
             if t.requires_grad:
                 raise ValueError(f"buffers {name} must not require grad (the cache writes into it in place)")
-            if torch._debug_has_internal_overlap(t) != 0:
-                raise ValueError(
-                    f"buffers {name} has elements that share memory (an expanded or stride-0 view): every slot "
-                    f"needs memory of its own"
-                )
+            overlap = _self_overlap(t)
+            if overlap:
+                raise ValueError(f"buffers {name} {overlap}: every slot needs memory of its own")
         if k.device != v.device:
             raise ValueError(f"buffers K and V must share a device, got {k.device} and {v.device}")
         if _overlap(k, v):
@@ -342,6 +340,24 @@ class KVStorage:
             f"num_layers={self.num_layers}, per_head={self.per_head}, dtype={self.dtype}, device={self.device}, "
             f"store={self.store!r})"
         )
+
+
+def _self_overlap(t: Tensor) -> str | None:
+    """Why two elements of ``t`` may share memory, or None. torch answers where it can tell; where
+    it cannot (a strided slice, a padded view), the dims by increasing stride each stepping past
+    everything the smaller ones span is proof enough that they do not."""
+    told = torch._debug_has_internal_overlap(t)
+    if told == 1:
+        return "has elements that share memory (an expanded or stride-0 view)"
+    if told == 0:
+        return None
+    reach = 0  # the largest offset the dims so far span
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return (f"may have elements that share memory: its strides {tuple(t.stride())} over shape "
+                    f"{tuple(t.shape)} do not each step past the smaller ones (a dense or sliced buffer does)")
+        reach += (size - 1) * stride
+    return None
 
 
 def _overlap(a: Tensor, b: Tensor) -> bool:
