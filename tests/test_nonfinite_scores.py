@@ -112,14 +112,15 @@ def test_a_nan_in_a_sink_is_refused_at_the_commit_where_its_statistic_is_skipped
 
 @pytest.mark.parametrize("mode", ["plain", "causal", "window"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "int8+residual"])
 @pytest.mark.parametrize("kind", QUERY_SCORED)
 def test_skipping_the_protected_statistics_changes_no_eviction(kind, quant, dtype, mode):
     """A kind whose read skips the statistics of the slots it never evicts (the sinks; the newest
     chunk, which a dense store's pass leaves out by gathering the other rows) evicts, chunk by
     chunk, exactly what it evicts with every statistic computed, with the same bound, and every
     statistic it reads is the same; dense, and quantised with the sinks in full precision (the
-    first hot rows, ``Segment.pinned``); causal reads, with and without a window, included."""
+    first hot rows, ``Segment.pinned``; the span's hot rows are left out without a residual,
+    ``Segment.span_from``, and scored with one); causal reads, with and without a window, included."""
     extra = {"budget": 7} if "budget" in params(kind) else {}
     caches = []
     for computed in (False, True):
@@ -129,7 +130,8 @@ def test_skipping_the_protected_statistics_changes_no_eviction(kind, quant, dtyp
         pol = cls(**params(kind, **extra))
         caches.append(KVCache((B, SINK + 2 + WINDOW, 1, D), (B, SINK + 2 + WINDOW, 1, D), seq_dim=1, sink=SINK + 2,
                               window=WINDOW, chunk=C, policy=pol, dtype=dtype,
-                              quant=None if quant is None else KVQuant(quant, sinks=True)))
+                              quant=None if quant is None else KVQuant(
+                                  "int8", sinks=True, residual=3 if quant.endswith("residual") else 0)))
     skipping = not POLICIES[kind].reads_protected_statistics
     assert caches[0].policy.statistic.newest == skipping and caches[1].policy.statistic.skip == 0
     g = torch.Generator().manual_seed(4)

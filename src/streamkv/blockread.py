@@ -20,8 +20,8 @@ the read attends; float64 ``[H, S]``. They need the final normaliser, so they ar
 over the blocks of the segments that hold cache slots (maxima taken in the scores' dtype, then
 widened; sums widened a slice of query rows at a time and accumulated in float64). Slots a policy
 never reads (the sinks; the open span where it protects it) are left out where the host can
-tell: whole rows below the sinks, and over one dense segment the rows that are neither, gathered
-first (:func:`_candidates`).
+tell: whole rows below the sinks, rows that hold the span alone (``Segment.span_from``), and over
+one dense segment the rows that are neither, gathered first (:func:`_candidates`).
 
 On the CPU each block runs in torch's fused attention kernel (which returns its log-sum-exp), in
 the dtype of the queries (a decoded block is rounded to it: for bf16 and fp16 a second rounding
@@ -415,11 +415,14 @@ def _statistics(qt: Tensor, plan: BlockPlan, lse: Tensor | None, groups: int) ->
         slots = seg.slot_index()
         if slots is None or any(seg is plan.segments[i] for i in gathered):
             continue
-        # rows of slots below stat.skip are left out where the host knows their slots
+        # rows of slots below stat.skip are left out where the host knows their slots, and rows
+        # that hold only the open span's positions where the statistic leaves the span out
         below = stat.skip - seg.slots if isinstance(seg.slots, int) else min(stat.skip, seg.pinned)
         j0 = min(b - a, max(0, below - a))
-        if j0 == b - a:
+        j1 = b - a if not n_span or seg.span_from is None else min(b - a, max(0, seg.span_from - a))
+        if j0 >= j1:
             continue
+        b = a + j1
         k, _ = _keys(plan, seg, a, b, qs.dtype if _fuse(seg, fused) else None)  # the keys the attention pass read
         qk = queries(_key_basis(plan, seg)).to(acc).transpose(-1, -2)  # [..., D, G*r]
         codes = None if seg.visible and not plan.causal else _rank_masks(seg.positions[:, a:b], qpos, plan.window, dims)

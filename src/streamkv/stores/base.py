@@ -113,6 +113,9 @@ class Segment:
     #: a host promise that rows ``[0, pinned)`` hold slots ``[0, pinned)`` whatever ``slots`` maps
     #: (a quantised store's full-precision sinks, the first of its hot rows)
     pinned: int = 0
+    #: a host promise that rows ``[span_from, n)`` hold no position but the open span's (a
+    #: quantised store's hot rows past the sinks, without a residual); None: no such promise
+    span_from: int | None = None
 
     @property
     def dense(self) -> bool:

@@ -385,7 +385,7 @@ class QuantStore(Store):
         code_pos = torch.where(hot[:, c0:], -1, positions[:, c0:]).expand(H, -1)
         out = [Segment(n=NH, positions=hot_pos[:, :NH], keys=d.attention(self.hot_k[layer]),
                        values=d.attention(self.hot_v[layer]), features=d.features, dtype=self.dtype,
-                       slots=hot_slot[:, :NH], pinned=c0)]
+                       slots=hot_slot[:, :NH], pinned=c0, span_from=None if self.quant.residual else c0)]
         if d.slots > c0:
             table, n = self.table, d.slots - c0
             kc, vc = d.attention(self.k_codes[layer]), d.attention(self.v_codes[layer])
