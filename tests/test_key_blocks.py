@@ -381,7 +381,7 @@ def test_gathered_rows_are_gathers_rows_in_every_storage_order(order):
     """The statistics pass's row gather (one ``index_select`` over the buffer seen as rows) takes
     the rows ``gather`` takes, in every storage order of (batch, head, token), from a view at an
     offset in a larger buffer, over a broadcast batch, and with strided features (its fallback)."""
-    from streamkv.blockread import _gather_rows
+    from streamkv.stores.dense import gather_rows
 
     g = torch.Generator().manual_seed(sum(i * 3 ** k for k, i in enumerate(order)))
     n, D, M = 11, 5, 7
@@ -392,4 +392,4 @@ def test_gathered_rows_are_gathers_rows_in_every_storage_order(order):
         idx = torch.randint(0, n, (1, H, M), generator=g)
         for view in (t, t[:1].expand(B, H, n, D), torch.randn(B, H, n, 2 * D, generator=g)[..., ::2]):
             want = view.gather(-2, idx.unsqueeze(-1).expand(B, H, M, D))
-            assert torch.equal(_gather_rows(view, idx), want), (B, H)
+            assert torch.equal(gather_rows(view, idx), want), (B, H)

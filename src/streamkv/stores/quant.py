@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .base import Segment, Store, WritePlan
 from .codecs import KVQuant, hadamard
-from .dense import put_rows
+from .dense import gather_rows, put_rows
 from .dims import Dims
 from .pages import PageTable
 
@@ -262,10 +262,9 @@ class QuantStore(Store):
         """Rows ``idx [H, m]`` of each head of ``x`` (one layer, attention layout): a copy."""
         if x is None:
             return None
-        view = [1] * x.dim()
-        view[self.dims.head_axis], view[-2] = idx.shape
-        size = [*x.shape[:-2], idx.shape[1], x.shape[-1]]
-        return x.gather(-2, idx.view(view).expand(size))
+        view = [1] * (x.dim() - 1)
+        view[self.dims.head_axis], view[-1] = idx.shape
+        return gather_rows(x, idx.view(view))
 
     def _code_runs(self, n: int) -> list[tuple[int, int]]:
         """The runs ``(row, rows)`` of the ``n`` code rows a read attends: all of them, or those no
