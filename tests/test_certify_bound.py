@@ -24,7 +24,7 @@ def _truth(q, K, V, kept, scale):
     return log_m, log_m.exp().unsqueeze(-1) * (o_d - o_k).abs()
 
 
-def _certify_case(q, K, V, kept, block_of, scale, box_dtype=None):
+def _certify_case(q, K, V, kept, block_of, scale, box_dtype=None, swap=False):
     """Build the certificate's inputs from a full history: kept slots (with some empty slots
     mixed in, as a cache has), evicted blocks per head (``block_of [H, N]``, -1 = kept)."""
     B, H, N, D = K.shape
@@ -60,6 +60,11 @@ def _certify_case(q, K, V, kept, block_of, scale, box_dtype=None):
     if box_dtype is not None:
         lo, hi = round_down(lo, box_dtype), round_up(hi, box_dtype)
     log_count = torch.where(cnt > 0, cnt.double().log(), -math.inf).unsqueeze(0)
+    if swap:  # the same boxes with their ends given in the other order, in every other channel
+        flip = torch.arange(D) % 2 == 0
+        lo, hi = torch.where(flip, hi, lo), torch.where(flip, lo, hi)
+        flip = torch.arange(V.shape[-1]) % 2 == 0
+        vlo, vhi = torch.where(flip & (vlo <= vhi), vhi, vlo), torch.where(flip & (vlo <= vhi), vlo, vhi)
     return certify(q, ks, vs, bias, lo, hi, log_count, vlo, vhi, scale=scale, n_tokens=N)
 
 
@@ -222,3 +227,19 @@ def test_outward_rounding_contains_the_value():
         lo, hi = round_down(x, dt), round_up(x, dt)
         assert (lo.float() <= x).all() and (hi.float() >= x).all()
         assert lo.dtype == dt and hi.dtype == dt
+
+
+def test_a_box_given_with_its_ends_swapped_is_the_box_between_them():
+    """``certify`` takes a box's ends in either order (checking ``lo <= hi`` would read the device):
+    the certificate of swapped ends is the ordered one's, so never below the truth."""
+    gen = torch.Generator().manual_seed(11)
+    q, K, V, kept, block_of = _random_case(gen, B=1, H=2, N=40, D=8, Dv=6, logit_scale=1.0, n_blocks=3,
+                                           kept_frac=0.4, dtype=torch.float64)
+    log_m, err = _truth(q, K, V, kept, 0.35)
+    torch.manual_seed(0)
+    ordered = _certify_case(q, K, V, kept, block_of, 0.35)
+    torch.manual_seed(0)
+    swapped = _certify_case(q, K, V, kept, block_of, 0.35, swap=True)
+    assert _check(swapped, log_m, err) == 0
+    assert torch.allclose(swapped.error, ordered.error, rtol=1e-12, atol=0)
+    assert torch.allclose(swapped.mass, ordered.mass, rtol=1e-12, atol=0)

@@ -536,3 +536,19 @@ def test_the_guide_example_runs():
     assert out.shape == (1, 16, 4, 32) and torch.isfinite(out).all()
     assert rope.current.name == "block_relative" and rope.map("block_relative").params()["cut"] == 45
     assert cache.next_chunk == 12 and (cache.slot_positions[..., :16] == torch.arange(16)).all()
+
+
+def test_a_position_map_is_held_by_one_rope_at_read():
+    """A map's dynamic parameters are the state of one RopeAtRead's streams: a second RopeAtRead
+    given the same map object is refused (a set through one rotated the other's keys); a copy is
+    taken, and a fork holds copies of its own."""
+    pm = position_map("block_relative", **POSITION_MAPS["block_relative"].for_geometry(2, 10, 3))
+    rope = RopeAtRead(Rope1D(8), pm)
+    assert pm.holder is rope and rope.map("block_relative") is pm
+    with pytest.raises(ValueError, match="already held by another RopeAtRead"):
+        RopeAtRead(Rope1D(8), pm)
+    other = RopeAtRead(Rope1D(8), pm.copy())
+    other.map("block_relative").set(cut=3)
+    assert pm.settings != other.map("block_relative").settings
+    fork = rope.fork()
+    assert fork.map("block_relative") is not pm and fork.map("block_relative").holder is fork

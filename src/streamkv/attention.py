@@ -68,15 +68,16 @@ class AttentionInfo:
     """Which path ran, how empty slots were handled, how many key rows were read, the per-query
     log-sum-exp when asked for, and which kernel ran and why (``kernel``: ``"sdpa"``,
     ``"blocks"``, ``"triton"``; ``"gathered"`` on the chronological path: its own SDPA or explicit
-    softmax over the gathered keys; ``kernel_reason``: why ``kernel="auto"`` chose it, or that it
-    was forced)."""
+    softmax over the gathered keys; ``"answered"``: an observer had computed this read already,
+    e.g. a certifying compressed tier, whose certificate computes the attention over tiers 1 and
+    2; ``kernel_reason``: why ``kernel="auto"`` chose it, or that it was forced)."""
 
     path: Literal["physical", "chronological"]
     occupancy: Occupancy | None
     keys_read: int
     lse: Tensor | None = None
     scored: bool = False
-    kernel: Literal["sdpa", "blocks", "triton", "gathered"] = "sdpa"
+    kernel: Literal["sdpa", "blocks", "triton", "gathered", "answered"] = "sdpa"
     kernel_reason: str = ""
 
 
@@ -131,6 +132,9 @@ def attend(
             A forced kernel that cannot serve the read raises; the chronological path takes
             ``"auto"`` only. ``info.kernel`` and ``info.kernel_reason`` say what ran and why.
             Decided from types, shapes and devices (no host sync).
+            With ``"auto"``, a read an observer already computed for this very ``q`` tensor and
+            these options is answered from it (a certifying compressed tier's certificate:
+            ``info.kernel == "answered"``); a forced kernel computes the read.
 
     Returns:
         ``(out, info)``: ``out`` in ``q``'s layout with the value feature size.
@@ -157,8 +161,18 @@ def attend(
         out, lse = _poisoned(qt, out, lse)
         return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=None, keys_read=keys_read, lse=lse,
                                                             kernel="gathered", kernel_reason="the chronological path")
-    segments = read.segments()
     scored = read.scorer is not None
+    if kernel == "auto" and read.answer is not None:
+        got = read.answer(q, scale=scale, causal=causal, window=window, statistic=read.statistic if scored else None,
+                          lse=return_lse)
+        if got is not None:
+            if scored:
+                read.scorer(got.key_max, got.key_sum)
+            out, lse = _poisoned(qt, got.out, got.lse)
+            return read.dims.from_attention(out), AttentionInfo(path=path, occupancy=read.occupancy, keys_read=got.keys,
+                                                                lse=lse, scored=scored, kernel="answered",
+                                                                kernel_reason=got.why)
+    segments = read.segments()
     not_sdpa = _not_sdpa(read, segments, scored, return_lse)
     if kernel == "sdpa" and not_sdpa:
         raise ValueError(f"kernel='sdpa' cannot serve this read of {read.name}: " + "; ".join(not_sdpa))

@@ -44,6 +44,7 @@ registry's documentation, and a map's kind, parameters and state live with it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,17 @@ class PositionMap:
         self.kind, self.fn, self.static = kind, fn, dict(static)
         self.dynamic = {k: torch.tensor(int(v), dtype=torch.long) for k, v in dynamic.items()}
         self._host = {k: int(v) for k, v in dynamic.items()}  # the dynamic values as set (no device read)
+        self._holder: weakref.ref | None = None
+
+    @property
+    def holder(self) -> Any:
+        """The :class:`~streamkv.rope_at_read.RopeAtRead` that holds this map (None: none, or it is
+        gone): one holds a map, since its dynamic parameters are the state of that one's streams."""
+        return None if self._holder is None else self._holder()
+
+    @holder.setter
+    def holder(self, rope: Any) -> None:
+        self._holder = weakref.ref(rope)
 
     @property
     def name(self) -> str:

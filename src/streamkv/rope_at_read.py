@@ -97,6 +97,12 @@ class RopeAtRead:
         names = [m.name if m.name != "custom" else f"custom{i}" for i, m in enumerate(self.maps)]
         if len(set(names)) != len(names):
             raise ValueError(f"the maps of one RopeAtRead must differ, got {names}")
+        for m in self.maps:  # a map's dynamic parameters are stream state: one RopeAtRead holds them
+            other = m.holder
+            if other is not None:
+                raise ValueError(f"position map {m.name!r} is already held by another RopeAtRead, whose streams would "
+                                 f"share its parameters (a set on one would rotate the other's keys): pass map.copy() "
+                                 f"or build a new map")
         self.names = names
         self.rotary = rotary
         self._device_rotary: Rotary | None = None
@@ -107,6 +113,8 @@ class RopeAtRead:
         self._initial: dict[str, Any] | None = None
         #: the caches built on this RopeAtRead (a CacheSet's branches share one): their map state is one
         self._holders: weakref.WeakSet = weakref.WeakSet()
+        for m in self.maps:
+            m.holder = self
 
     # ------------------------------------------------------------------ binding
     def bind(self, *, sink: int, capacity: int, per_head: bool, head_dim_size: int, device: torch.device,
@@ -205,6 +213,8 @@ class RopeAtRead:
         out = object.__new__(RopeAtRead)
         out.__dict__.update(self.__dict__)
         out.maps = [m.copy() for m in self.maps]
+        for m in out.maps:
+            m.holder = out
         out._selected = self._selected.clone()
         out._holders = weakref.WeakSet()
         return out

@@ -149,7 +149,7 @@ class KVCache:
         self.checks = InputChecks(st, layout, self.lifecycle, pol)
         self._observers = Observers(self)
         self.reads = Reads(st, layout, self.lifecycle, pol, self.checks, rope_at_read, extra=self._observers.segments,
-                           adds=lambda: self._observers.add_segments)
+                           adds=lambda: self._observers.add_segments, answer=self._observers.answer)
         self.states = StateDicts(st, layout, self.lifecycle, pol, self.checks, rope_at_read)
         self.branches = Branches(self, history)
         if rope_at_read is not None:  # built: a reader of its map state from now on

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..stores import Segment
     from .cache import KVCache
 
-__all__ = ["CacheObserver", "Change", "EvictionEvent", "EvictionListener", "Observers"]
+__all__ = ["CacheObserver", "Change", "EvictionEvent", "EvictionListener", "Observers", "ReadAnswer"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,31 @@ class CacheObserver:
         cache's own); only for an observer with ``adds_segments``."""
         return []
 
+    #: the observer may answer a read itself (:meth:`answer`): a certifying compressed tier
+    answers_reads: bool = False
+
+    def answer(self, cache: KVCache, layer: int, q: Tensor, *, scale: float, causal: bool, window: int | None,
+               statistic: Any, lse: bool) -> ReadAnswer | None:
+        """The read of ``layer`` by ``q`` with these options, if this observer computed exactly it
+        since ``q`` reached :meth:`on_queries` (None: ``attend`` computes it); only for an observer
+        with ``answers_reads``."""
+        return None
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """A read an observer already computed for the span's queries (:meth:`CacheObserver.answer`):
+    ``out`` in the attention layout (``[..., Lq, Dv]``, the queries' dtype), ``lse`` (``[..., Lq]``,
+    when asked), the policy's statistics ``key_max`` / ``key_sum`` (``[H, slots]``, when asked),
+    ``keys`` (rows attended) and ``why`` (``AttentionInfo.kernel_reason``)."""
+
+    out: Tensor
+    lse: Tensor | None
+    key_max: Tensor | None
+    key_sum: Tensor | None
+    keys: int
+    why: str
+
 
 class EvictionListener(CacheObserver):
     """An observer from a function called with every :class:`EvictionEvent`, once the tokens
@@ -176,6 +201,15 @@ class Observers:
     @property
     def add_segments(self) -> bool:
         return any(obs.adds_segments for obs in self.members)
+
+    def answer(self, layer: int, q: Tensor, **options: Any) -> ReadAnswer | None:
+        """The first answer an observer has for this read (:meth:`CacheObserver.answer`), or None."""
+        for obs in self.members:
+            if obs.answers_reads:
+                got = obs.answer(self.cache, layer, q, **options)
+                if got is not None:
+                    return got
+        return None
 
     def eviction(self, chunk_idx: int, at: Literal["begin", "commit"], plan: Step) -> EvictionEvent | None:
         """The event of a planned eviction (built only when someone watches)."""

@@ -74,6 +74,9 @@ class KVRead:
             :class:`~streamkv.rope_at_read.RopeAtRead`: raw keys, rotated with the queries by
             ``attend`` (a block of slots at a time).
         extras: the segments observers add to this read (the compressed tier), or None.
+        answer: ``answer(q, **options)``: a :class:`~streamkv.caches.observers.ReadAnswer` an observer
+            already computed for these queries and options (a certifying compressed tier), or None;
+            None where no observer adds rows.
     """
 
     dims: Dims
@@ -95,6 +98,7 @@ class KVRead:
     lifecycle: Lifecycle | None = None
     rope_at_read: Any = None
     extras: Callable[[], list[Segment]] | None = None
+    answer: Callable[..., Any] | None = None
     #: what this read computed and its later passes (denoising steps) reuse while the slot positions
     #: are unchanged: the store's segments, masks of their blocks (keyed by the positions' version)
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

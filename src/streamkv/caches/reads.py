@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,10 +28,10 @@ class Reads:
 
     def __init__(self, storage: KVStorage, layout: CacheLayout, lifecycle: Lifecycle, policy: SlotPolicy,
                  checks: InputChecks, rope_at_read=None, extra: Callable[[int], list[Segment]] | None = None,
-                 adds: Callable[[], bool] | None = None) -> None:
+                 adds: Callable[[], bool] | None = None, answer: Callable[..., Any] | None = None) -> None:
         self.storage, self.layout, self.lifecycle, self.policy, self.checks = storage, layout, lifecycle, policy, checks
         self.rope_at_read = rope_at_read
-        self._extra, self._adds = extra, adds
+        self._extra, self._adds, self._answer = extra, adds, answer
         # (generation, reads of it by (layer, occupancy)): a read changes only when the lifecycle
         # does, so the per-pass cost is a dict lookup (derived state: snapshots leave it out)
         self._memo: tuple[int, dict[tuple[int, str, bool], KVRead]] = (-1, {})
@@ -98,6 +99,7 @@ class Reads:
             source=partial(self._own, layer), generation=None if traced else lc.generation,
             lifecycle=None if traced else lc, rope_at_read=self.rope_at_read,
             extras=partial(self._extra, layer) if extra and self._extra is not None else None,
+            answer=partial(self._answer, layer) if extra and self._answer is not None and not traced else None,
         )
 
     def chronological(self, layer: int) -> tuple[Tensor, Tensor, list[int]]:

@@ -191,8 +191,9 @@ def box_logit_bound(q: Tensor, lo: Tensor, hi: Tensor, *, scale: float) -> Tenso
     """``U_b = scale * sum_i max(q_i lo_b,i, q_i hi_b,i)`` for every query and block, in float64.
 
     Args:
-        q: ``[B, H, Q, D]``; lo, hi: ``[B, H, NB, D]`` (any float dtype, ``lo <= hi``; blocks
-            with infinite or NaN entries must be masked by the caller).
+        q: ``[B, H, Q, D]``; lo, hi: ``[B, H, NB, D]`` (any float dtype; a channel whose ends
+            come in the other order bounds the box between them; blocks with infinite or NaN
+            entries must be masked by the caller).
 
     Returns:
         ``[B, H, Q, NB]`` float64, *before* the rounding allowance. Two matmuls
@@ -201,7 +202,7 @@ def box_logit_bound(q: Tensor, lo: Tensor, hi: Tensor, *, scale: float) -> Tenso
     q64 = q.double()
     lo64, hi64 = lo.double(), hi.double()
     c = (lo64 + hi64) * 0.5
-    r = (hi64 - lo64) * 0.5
+    r = (hi64 - lo64).abs() * 0.5  # the ends in either order (ordering them would read the device)
     return (q64 @ c.transpose(-1, -2) + q64.abs() @ r.transpose(-1, -2)) * scale
 
 
@@ -260,7 +261,9 @@ def certify(
             ``[B, H, Q, S]``, or None when every slot is kept.
         lo, hi: evicted block key boxes ``[B, H, NB, D]``.
         log_count: ``[B|1, H, NB]`` float64 ``log n_b`` (``-inf``: empty or not evicted now).
-        vlo, vhi: the evicted value box ``[B, H, Dv]`` (``+inf`` / ``-inf`` when empty).
+        vlo, vhi: the evicted value box ``[B, H, Dv]`` (``+inf`` / ``-inf`` when empty). The
+            boxes' ends may come in either order per channel (nothing is read back to check them):
+            the certificate covers the box between them.
         scale: the softmax scale attention uses.
         n_tokens: tokens in the stream so far (for the rounding allowance).
 
@@ -293,7 +296,8 @@ def certify(
     evicted_any = torch.isfinite(log_count).any(-1, keepdim=True).expand_as(log_zhat)  # [B, H, Q]
     vlo64, vhi64 = vlo.double().unsqueeze(-2), vhi.double().unsqueeze(-2)  # [B, H, 1, Dv]
     vmax = torch.maximum(k.new_zeros(()).double(), v.double().abs().amax(dim=(-2, -1)))  # [B, H]
-    gap = torch.maximum(vhi64 - o_k, o_k - vlo64)
+    # max(vhi - o, o - vlo) for an ordered box; as written, the ends may come in either order
+    gap = torch.maximum((vhi64 - o_k).abs(), (o_k - vlo64).abs())
     gap = gap + (4.0 * eps * vmax.unsqueeze(-1)).unsqueeze(-1)
     gap = torch.where(evicted_any.unsqueeze(-1), gap, 0.0)
     gap = torch.where(torch.isnan(gap), math.inf, gap)

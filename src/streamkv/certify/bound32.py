@@ -192,7 +192,7 @@ class TierHeld:
 
 
 def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, db: Tensor, eta2: Tensor,
-             consts: Tensor, low: bool) -> tuple[Tensor | None, ...]:
+             consts: Tensor, low: bool, count: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """One block of query rows' ``O(rows x S)`` float32 work (rounding b-d): the held attention's
     exponentials and the slack weights, from the logits ``s1 = q_s k1^T`` (tier 1) and ``s2``
     (tier 2), ``Delta_hat = da * db`` over tier 2 (``Delta = 0`` on tier 1). ``consts``: float64
@@ -201,7 +201,10 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     w3, wg`` stacked by rows), the column maximum of ``w1`` (each entry's largest
     ``p^_j Delta_j``) and per row: ``lse, inv`` (float64 ``1 / S_hat``), the sums of ``w1, w2,
     w3, wg``, ``Lam, Lam_lo``, the largest ``Delta``, ``kappa``, the underflow allowance, and
-    ``g`` on tier 1 (``f32 [B, H, rows, 1]``)."""
+    ``g`` on tier 1 (``f32 [B, H, rows, 1]``); last, with ``count [rows, 1]`` (1: the row counts,
+    0: not), tier 1's weights normalised over tier 1 alone (``P / sum_1 P``, as a read's statistics:
+    a policy ranks its slots as if tier 2 were not there) over the counted rows: their maximum and
+    sum per entry (``[B, H, S1]``), else None, None."""
     f32 = torch.float32
     s1 = s1.masked_fill(hide1, -math.inf)
     s2 = s2.masked_fill(dead2, -math.inf)
@@ -239,8 +242,13 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     wgsum = (p1sum * g0.squeeze(-1) + wg.sum(-1)).double()
     W = torch.cat([w1, w2, w3, wg], -2)
     low_p = (W.to(torch.bfloat16), p1.to(torch.bfloat16)) if low else (None, None)
+    stat = (None, None)
+    if count is not None:  # normalised over tier 1 alone, as a read's statistics (a row seeing none: 0)
+        own = p1sum.unsqueeze(-1)
+        pc = p1 * torch.where(own > 0, count / own, 0.0)
+        stat = (pc.amax(-2), pc.sum(-2))
     return (e1, e2, W, *low_p, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
-            g0)
+            g0, *stat)
 
 
 def _zeroth(x: Tensor, y: Tensor) -> Tensor:
@@ -284,7 +292,7 @@ def check_precision() -> None:
 
 
 def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref: Tensor | None = None,
-                 parts: bool = False) -> tuple[Certificate, dict | None]:
+                 parts: bool = False, count: Tensor | None = None) -> tuple[Certificate, dict | None]:
     """The certificate of queries ``q [B, H, Q, D]`` over ``held`` (see the module docstring).
     ``top``: entries per head whose ``|u_j,c|`` is taken exactly (step 3: the entries of largest
     ``max_q p^_j Delta_j`` over each block of queries); ``ref [B, H, 1, Dv]``: step 3's reference
@@ -294,7 +302,10 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     mass bound times the largest gap). Device work only, no host synchronisation; every
     ``O(history)`` tensor float32, and no ``[Q x history]`` one: the query rows are taken in blocks
     (:data:`BLOCK_ELEMENTS`), each block's ``O(rows x history)`` work one fused pass
-    (:func:`_weights`, compiled on the CPU) and its matrix products."""
+    (:func:`_weights`, compiled on the CPU) and its matrix products. With ``count [Q]`` (bool: the
+    rows a scored policy's statistic counts) also ``key_max`` and ``key_sum`` ``[H, S1]``: the
+    maximum and sum of tier 1's computed weights normalised over tier 1 (float32) over the counted
+    rows and the batch, the statistics a read of the same rows delivers (the returned dict holds them)."""
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
@@ -348,6 +359,7 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     per_row = B * H * S
     n_rows = max(1, (BLOCK_ELEMENTS if q.device.type == "cpu" else 64 * BLOCK_ELEMENTS) // per_row)
     weights = _weights_kernel(qs, min(n_rows, Q) * per_row)
+    key_max = key_sum = None
     for a in range(0, Q, n_rows):
         b = min(Q, a + n_rows)
         n = b - a
@@ -357,8 +369,12 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
         else:
             da_b, db_b = (qg[..., a:b, :] @ dkt) * up_d, one
         hide1 = held.hide1 if held.hide1.shape[1] == 1 else held.hide1[:, a:b]
-        e1, e2, W, Wb, p1b, colmax, *got, g0 = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b,
-                                                       eta2[..., a:b], consts, low)
+        cb = None if count is None else count[a:b].to(f32).unsqueeze(-1)
+        e1, e2, W, Wb, p1b, colmax, *got, g0, smax, ssum = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b,
+                                                                   eta2[..., a:b], consts, low, cb)
+        if cb is not None:
+            key_max = smax if key_max is None else torch.maximum(key_max, smax)
+            key_sum = ssum if key_sum is None else key_sum + ssum
         inv = got[1]
         inv_all[..., a:b, :] = inv
         for dst, x in zip(rows, got[:1] + got[2:]):
@@ -464,7 +480,9 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     error = torch.where(torch.isnan(error), math.inf, error)
     cert = Certificate(log_mass=log_m, mass=mass, error=error, gap=gap, lse_kept=lse, out_kept=out, log_zhat=log_z,
                        block_log_contrib=block3, out_error=eps_o, lse_error=e_l)
-    if not parts:
-        return cert, None
-    c3 = None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True)
-    return cert, {"entry": entry, "block3": c3}
+    got = {}
+    if count is not None:
+        got.update(key_max=key_max.amax(0), key_sum=key_sum.sum(0))
+    if parts:
+        got.update(entry=entry, block3=None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True))
+    return cert, (got or None)

@@ -6,6 +6,7 @@ blocks the certificate blames.
     tier = CompressedTier(cache, fmt="int4", capacity=M, recall_tau=0.01, causal=True)
     read = cache.layer(i).update(k, v, q)                      # on_queries: certificate (+ recall)
     out = attend(q, read)                                      # tiers 1 + 2 and the recall slots, one softmax
+                                                               # (a certified step's: the certificate's output)
     tier.last[i]                                               # the step's Certificate (None: not certified)
 
 Per (layer, head):
@@ -40,6 +41,12 @@ entries; tier 3 bounds the originals. **Optional per call**: ``certify=True`` (e
 between calls. A step that is not certified leaves ``last[layer] = None``: a certificate bounds
 the step it was computed for, nothing else.
 
+**The read of a certified step is the certificate's.** The certificate computes the attention over
+tiers 1 and 2 to bound it (``out_kept``); ``attend(q, read)`` on the same query tensor returns it
+(:meth:`CompressedTier.answer`: rounded once to the queries' dtype, with its log-sum-exp and a
+scored tier 1's statistics from the same weights) instead of reading the tiers again, so the output
+served is the output certified. A float64 read, another tensor or other options are computed.
+
 **Recall**, planned at the first certified step of a span (later steps of the span keep it):
 per head, tier 2 and 3 blocks ranked on the device by an estimate of their part of the bound;
 the shortest prefix after which every query's L-inf error bound would be ``<= recall_tau x`` the
@@ -68,15 +75,17 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..budget.mass import check_tau
-from ..caches import CacheObserver, Change, KVCache
+from ..caches import CacheObserver, Change, KVCache, ReadAnswer
 from ..quant import KVQuant
-from ..scoring import fold_groups
+from ..scoring import fold_groups, unfold_groups
 from ..masks import position_mask
 from ..stores import Segment
 from ..stores.codecs import IntCodec
@@ -88,6 +97,28 @@ from .certifier import check_reopen, claim_unevicted, release
 __all__ = ["CompressedTier"]
 
 _BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
+#: query dtypes whose reads the certificate answers (its output is float32-accurate: a float64 read is computed)
+_ANSWERED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class _Answer:
+    """A certified step's read, kept for ``attend`` (:meth:`CompressedTier.answer`): the queries it is
+    for (a weak reference, their version counter where they keep one), the lifecycle generation,
+    the certificate, the policy's statistic and its finished values (None: not asked)."""
+
+    q: weakref.ref
+    version: int | None
+    generation: int
+    cert: Certificate
+    statistic: Any
+    key_max: Tensor | None
+    key_sum: Tensor | None
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (None: an inference tensor keeps none)."""
+    return None if t.is_inference() else t._version
 _NONE = torch.iinfo(torch.long).max  # a slot that nothing left
 
 
@@ -220,6 +251,7 @@ class CompressedTier(CacheObserver):
         self._planned: list[int | None] = [None] * L
         self._span: list[tuple[int | None, int]] = [(None, -1)] * L  # (start, ordinal) of the span each layer saw
         self.last: list[Certificate | None] = [None] * L
+        self._answers: list[_Answer | None] = [None] * L
         self._ref: list[Tensor | None] = [None] * L  # the last certificate's mean output (bound32's reference)
         self._stats: dict[str, Any] = {"steps": 0, "plans": 0, "recalled_blocks": 0, "recalled_tokens": 0,
                                       "h2d_bytes": 0, "shortfalls": 0, "over_target": 0, "dropped_blocks": 0,
@@ -310,6 +342,7 @@ class CompressedTier(CacheObserver):
 
     def on_write(self, cache: KVCache, layer: int, k: Tensor, v: Tensor) -> None:
         """The value range per head (the scale of ``recall_tau``): every value written."""
+        self._answers[layer] = None
         vd = v.detach().float()
         self.vmin[layer] = torch.minimum(self.vmin[layer], vd.amin(dim=(0, 1, 3)))
         self.vmax[layer] = torch.maximum(self.vmax[layer], vd.amax(dim=(0, 1, 3)))
@@ -594,6 +627,7 @@ class CompressedTier(CacheObserver):
     def on_queries(self, cache: KVCache, layer: int, q: Tensor) -> None:
         if self.broken is not None:
             raise RuntimeError(f"this compressed tier cannot certify: {self.broken}")
+        self._answers[layer] = None
         if not self._due(layer):
             self.last[layer] = None
             self._stats["uncertified_steps"] += 1
@@ -601,18 +635,76 @@ class CompressedTier(CacheObserver):
         t0 = time.perf_counter()
         span = cache.open_span[0]
         plan = self.recall_tau is not None and self._planned[layer] != span
-        cert, parts = self.certificate(layer, q, parts=plan)
+        answers = q.dtype in _ANSWERED
+        stat = cache.policy.statistic if answers and cache.policy.needs_queries else None
+        count = None if stat is None else self._counted(q, stat)
+        cert, got = self.certificate(layer, q, parts=plan, count=count)
         self._stats["steps"] += 1
         if plan:
             self._planned[layer] = span
             if layer == 0:
                 self._stats["h2d_bytes_per_span"].append(0)
-            if self._plan(layer, cert, parts):
-                cert, _ = self.certificate(layer, q)
+            if self._plan(layer, cert, got):
+                cert, got = self.certificate(layer, q, count=count)
             # the plan ranks blocks by an estimate: count a span whose certificate stays over target
             self._stats["over_target"] += int(bool((cert.error.amax(-1) > self._target(layer)).any()))
         self.last[layer] = cert
+        if answers:
+            kmax, ksum = (None, None) if stat is None else self._finish(layer, stat, cert, count, got)
+            self._answers[layer] = _Answer(weakref.ref(q), _version(q), cache.lifecycle.generation, cert, stat,
+                                           kmax, ksum)
         self._stats["certify_seconds"] += time.perf_counter() - t0
+
+    def _counted(self, q: Tensor, stat) -> Tensor:
+        """``bool [G * T]``: the query rows (``(group, query)``, as :meth:`query_rows`) ``stat`` counts."""
+        T, G = q.shape[1], q.shape[2] // self.H
+        t = torch.arange(T, device=q.device)
+        rows = t >= T - stat.rows if stat.rows is not None else torch.ones(T, dtype=torch.bool, device=q.device)
+        return rows.repeat(G)
+
+    def _finish(self, layer: int, stat, cert: Certificate, count: Tensor, got: dict) -> tuple[Tensor | None, ...]:
+        """The policy's statistics ``[H, S1]`` from the certificate's tier-1 weights, as a read's
+        (:meth:`~streamkv.blockread.Statistic.finish`: skipped slots 0, NaN in a poisoned head)."""
+        H, slots = self.H, got["key_max"].shape[-1]
+        newest = None
+        qpos = self.cache.lifecycle.query_positions()
+        if stat.newest and qpos is not None and qpos.numel():
+            newest = torch.zeros((H, slots + 1), dtype=torch.bool, device=qpos.device)
+            newest[:, :slots] = self.storage.layer_positions(layer) >= qpos[:1]
+        poisoned = stat.poisoned(torch.where(count, cert.lse_kept, 0.0), H, 1)  # the counted rows' (no host read)
+        out = []
+        for name in ("max", "sum"):
+            x = got[f"key_{name}"]
+            out.append(stat.finish(torch.cat([x, x.new_zeros((H, 1))], -1), slots, poisoned, newest)
+                       if name in stat.reduce else None)
+        return tuple(out)
+
+    answers_reads = True
+
+    def answer(self, cache: KVCache, layer: int, q: Tensor, *, scale: float, causal: bool, window: int | None,
+               statistic: Any, lse: bool) -> ReadAnswer | None:
+        """The certified step's read, from its certificate: ``out_kept`` (the attention over tiers 1
+        and 2 the certificate bounds, float32 products with float64 finishing) rounded once to the
+        queries' dtype, its log-sum-exp, and the policy's statistics from the same weights. Only
+        for the very tensor the step certified (identity, and its version counter where it keeps
+        one: an inference tensor keeps none, so change it by making a new one), in the same
+        lifecycle generation with no write since, the tier's ``scale`` and ``causal``, no window,
+        the statistic the policy declared, queries of 16 or 32 bits (a float64 read is computed: the
+        certificate's output is float32-accurate) and no gradient asked of them."""
+        a = self._answers[layer]
+        if a is None or a.q() is not q or a.version != _version(q) or a.generation != cache.lifecycle.generation:
+            return None
+        if scale != self.scale or causal != self.causal or window is not None or statistic != a.statistic:
+            return None
+        if q.requires_grad and torch.is_grad_enabled():  # the certificate's output carries no gradient to q
+            return None
+        G = q.shape[2] // self.H
+        out = unfold_groups(a.cert.out_kept.to(q.dtype), G, 1)
+        lse_out = unfold_groups(a.cert.lse_kept.float().unsqueeze(-1), G, 1).squeeze(-1) if lse else None
+        return ReadAnswer(out=out, lse=lse_out, key_max=a.key_max, key_sum=a.key_sum,
+                          keys=self.storage.slots + self.M,
+                          why="the compressed tier's certificate computed this read (tiers 1 and 2, float32 products; "
+                              "its output rounded once to the queries' dtype)")
 
     def held_state(self, layer: int, q: Tensor) -> tuple[Tensor, TierHeld]:
         """The certificate's inputs for queries ``q [B, T, Hq, D]``: the query rows ``[B, H, Q, D]``
@@ -638,12 +730,14 @@ class CompressedTier(CacheObserver):
             return bound.reshape(*bound.shape[:-1], -1, group)[..., 0].contiguous()
         return bound
 
-    def certificate(self, layer: int, q: Tensor, parts: bool = False) -> tuple[Certificate, dict | None]:
+    def certificate(self, layer: int, q: Tensor, parts: bool = False, count: Tensor | None = None
+                    ) -> tuple[Certificate, dict | None]:
         """The certificate of ``q`` (the open span's queries) over ``layer`` now: kept = tier 1
         and the live tier-2 entries, evicted = tier 3 (:func:`~.bound32.certify_tier`). With
-        ``parts`` also what the recall plan ranks by."""
+        ``parts`` also what the recall plan ranks by; with ``count`` tier 1's statistics."""
         qh, held = self.held_state(layer, q)
-        cert, got = certify_tier(qh, held, scale=self.scale, top=self.top, ref=self._ref[layer], parts=parts)
+        cert, got = certify_tier(qh, held, scale=self.scale, top=self.top, ref=self._ref[layer], parts=parts,
+                                 count=count)
         self._ref[layer] = cert.out_kept.mean(-2, keepdim=True).float()
         return cert, got
 

@@ -68,6 +68,9 @@ class _Subject:
         self.scored = self.cache.needs_queries
         for _ in range(-(-self.caps.get("tier2", 0) // shape.fill) + self.cache.layout.capacity // shape.fill + 2):
             self._work(self.fill_k, self.fill_v, shape.fill)  # past the first wrap (and tier 2 full)
+        #: what the row holds here, at a fixed point of the stream (tier 3 grows with it: measured after
+        #: the timing rounds, its boxes would depend on how many chunks they ran)
+        self.held = held_bytes(self.cache, self.tier)
         #: how the steady reads treat empty slots (what the eager default picks now), given to every
         #: update: left to the default, a traced forward reads the host counter it is decided from
         #: (a guard on the stream's end, a recompilation after the first chunk)
@@ -199,7 +202,7 @@ def measure_chart_shape(shape: Shape, rows: Sequence[Row], *, layers: int = 1, m
         out[rk][what].update(ms_per_chunk=st.median, p10_ms=st.p10, p90_ms=st.p90,
                              ms_per_chunk_per_layer=st.median / layers, contended=run.included[key])
     for rk, s in subjects.items():
-        out[rk].update(held_bytes(s.cache, s.tier))
+        out[rk].update(s.held)
         if s.tier is not None:
             out[rk]["certify_seconds"] = s.tier.stats["certify_seconds"]
     for key, samples in (loaded.samples_ms.items() if loaded is not None else ()):

@@ -1,0 +1,170 @@
+"""A certifying compressed tier answers the step's read from its certificate.
+
+The certificate computes the attention over tiers 1 and 2 (``out_kept``) to bound it; ``attend``
+with ``kernel="auto"`` returns that output (rounded once to the queries' dtype), its log-sum-exp
+and the scored policy's statistics from the same weights instead of reading the tiers again.
+Checked against a twin stream whose reads are computed (``kernel="blocks"``): every kind of the
+registry as tier 1, 32- and 16-bit caches, causal or not, with recall; the answer within the
+certificate's proven output margin plus one rounding of float64 attention over what the tiers hold;
+the statistics within float32 rounding and the evictions identical. And every case the answer
+must not serve: another tensor, one changed in place, another scale or causality, a window, a
+write since, a step not certified, a float64 cache, queries that ask for a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamkv import KVCache
+from streamkv.attention import attend
+from streamkv.certify.tier import CompressedTier
+from streamkv.policies import example_policy
+
+from kinds import SCORED
+
+B, H, G, D, C = 1, 2, 2, 16, 8
+SINK, WINDOW, RECALL = 2, 2 * C + 6, 16
+#: unit roundoff of each dtype the answer is rounded to
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def _stream(T: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, 1, H, D, generator=g)  # a shared direction: peaked, learned-looking attention
+    q = torch.randn(B, T, H * G, D, generator=g) + 2 * base.repeat_interleave(G, 2)
+    k = torch.randn(B, T, H, D, generator=g) + base * torch.rand(B, T, 1, 1, generator=g) * 3
+    v = torch.randn(B, T, H, D, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _build(kind: str, dtype: torch.dtype, causal: bool, recall: bool = True, **tier):
+    cache = KVCache((B, SINK + WINDOW, H, D), (B, SINK + WINDOW, H, D), policy=kind, seq_dim=1, sink=SINK,
+                    window=WINDOW, chunk=C, num_layers=1, recall_slots=RECALL if recall else 0, dtype=dtype,
+                    **example_policy(kind))
+    return cache, CompressedTier(cache, fmt="int4", capacity=32, block=8, recall_tau=0.02 if recall else None,
+                                 causal=causal, **tier)
+
+
+def _held_attention(cache, tier, q, a, b):
+    """Float64 attention of the span's query rows ``[B, H, G*n, D]`` over what the tiers hold."""
+    st = cache.storage
+    k2, v2, _, _ = tier.decoded(0)
+    kk = torch.cat([st.head_view("k", 0).transpose(0, 1).double(), k2.double()], -2)
+    vv = torch.cat([st.head_view("v", 0).transpose(0, 1).double(), v2.double()], -2)
+    pos = st.layer_positions(0)  # [H, S]
+    hide1 = (pos < 0).unsqueeze(1)
+    if tier.causal:
+        hide1 = hide1 | (pos.unsqueeze(1) > torch.arange(a, b).repeat(G).view(1, -1, 1))
+    hide = torch.cat([hide1.expand(H, G * (b - a), -1), (~tier.live[0]).unsqueeze(1).expand(H, G * (b - a), -1)], -1)
+    s = (tier.query_rows(q).double() @ kk.transpose(-1, -2) * tier.scale).masked_fill(hide, -math.inf)
+    p1 = s[..., :pos.shape[-1]].softmax(-1)  # tier 1 alone: what a policy's statistics are normalised by
+    return s.softmax(-1) @ vv, torch.logsumexp(s, -1), p1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", SCORED)
+def test_the_answer_is_the_certified_attention_and_evicts_as_a_computed_read(kind, dtype, causal):
+    q, k, v = _stream(12 * C, dtype)
+    answered, computed = _build(kind, dtype, causal), _build(kind, dtype, causal)
+    scored = answered[0].policy.needs_queries
+    for c in range(q.shape[1] // C):
+        a, b = c * C, (c + 1) * C
+        outs = []
+        for (cache, tier), kernel in ((answered, "auto"), (computed, "blocks")):
+            cache.begin_tokens(C)
+            qc = q[:, a:b]
+            read = cache.layer(0).update(k[:, a:b], v[:, a:b], qc)
+            out, info = attend(qc, read, causal=causal, kernel=kernel, return_lse=True)
+            outs.append((out, info))
+        (out, info), (_, twin_info) = outs
+        cache, tier = answered
+        assert info.kernel == "answered" and twin_info.kernel == "blocks", (info.kernel, twin_info.kernel)
+        assert info.scored == scored and info.keys_read == cache.storage.slots + tier.M
+        ref, lse, p1 = _held_attention(cache, tier, q[:, a:b], a, b)
+        got = out.double().permute(0, 2, 1, 3).reshape(B, H, G * C, D)
+        cert = tier.last[0]
+        # out_kept is within its proven margin of the float64 attention; the answer is it rounded once
+        assert ((got - ref).abs() <= cert.out_error + UNIT[dtype] * got.abs()).all(), c
+        assert ((info.lse.double().reshape(B, H, G * C) - lse).abs()
+                <= cert.lse_error + 2.0**-23 * lse.abs()).all(), c
+        if scored:  # the statistics of the slots the policy ranks, against float64 over the counted rows
+            stat = cache.policy.statistic
+            r = C if stat.rows is None else min(stat.rows, C)
+            counted = p1.reshape(B, H, G, C, -1)[:, :, :, C - r:].reshape(B, H, G * r, -1)
+            for name in stat.reduce:
+                want = counted.amax((0, 2)) if name == "max" else counted.sum((0, 2))
+                got = cache.policy.state()[f"key_{name}"][0]
+                S = got.shape[-1]  # the policy's slots (the recall slots are not its)
+                pos = cache.slot_positions[0, :, :S]
+                cand = (pos >= SINK) & (pos < a)
+                assert torch.allclose(torch.where(cand, got, 0), torch.where(cand, want[:, :S], 0), rtol=1e-5,
+                                      atol=1e-7), (c, name)
+        for cache, _ in (answered, computed):
+            cache.commit()
+        assert torch.equal(answered[0].slot_positions, computed[0].slot_positions), c
+        assert torch.equal(answered[1].live, computed[1].live), c
+    assert answered[1].stats["plans"] > 0 and answered[1].stats["dropped_blocks"] > 0  # recall planned, tier 3 held
+
+
+def _one_step(dtype=torch.float32, causal=True, chunks=5, **tier):
+    """A tova tier past its first evictions, its next span begun: ``(cache, tier, q, k, v)``."""
+    q, k, v = _stream((chunks + 1) * C, dtype, seed=3)
+    cache, t = _build("tova", dtype, causal, recall=False, **tier)
+    for c in range(chunks):
+        cache.begin_tokens(C)
+        qc = q[:, c * C:(c + 1) * C]
+        attend(qc, cache.layer(0).update(k[:, c * C:(c + 1) * C], v[:, c * C:(c + 1) * C], qc), causal=causal)
+        cache.commit()
+    cache.begin_tokens(C)
+    s = slice(chunks * C, (chunks + 1) * C)
+    return cache, t, q[:, s].clone(), k[:, s], v[:, s]
+
+
+def test_only_the_certified_tensor_with_the_same_options_is_answered():
+    cache, tier, q, k, v = _one_step()
+    read = cache.layer(0).update(k, v, q)
+    kernel = lambda x, **kw: attend(x, read, **{"causal": True, **kw})[1].kernel  # noqa: E731
+    assert kernel(q) == "answered"
+    assert kernel(q.clone()) == "blocks"  # equal values, another tensor
+    assert kernel(q, scale=0.5) == "blocks"
+    assert kernel(q, causal=False) == "blocks"
+    assert kernel(q, window=3) == "blocks"
+    want = attend(q, read, causal=True, kernel="blocks")[0]
+    q.mul_(2.0)  # changed in place: the answer was for the old values
+    assert kernel(q) == "blocks"
+    assert not torch.allclose(attend(q, read, causal=True)[0], want)
+    cache.layer(0).update(k, v)  # a write without queries: nothing is certified for it
+    assert kernel(q) == "blocks"
+
+
+def test_queries_that_ask_for_a_gradient_are_computed():
+    cache, tier, q, k, v = _one_step()
+    read = cache.layer(0).update(k, v, q)  # the cache takes no queries that ask for a gradient
+    q.requires_grad_(True)  # the same tensor asks for one now
+    out, info = attend(q, read, causal=True)
+    assert info.kernel == "blocks" and out.requires_grad
+    with torch.no_grad():
+        assert attend(q, read, causal=True)[1].kernel == "answered"
+
+
+def test_inference_tensors_are_answered():
+    cache, tier, q, k, v = _one_step()
+    with torch.inference_mode():
+        q, k, v = q.clone(), k.clone(), v.clone()
+        out, info = attend(q, cache.layer(0).update(k, v, q), causal=True)
+    assert info.kernel == "answered"
+
+
+@pytest.mark.parametrize("why", ["float64", "not certified", "schedule"])
+def test_reads_the_certificate_does_not_cover_are_computed(why):
+    dtype = torch.float64 if why == "float64" else torch.float32
+    certify = {"not certified": False, "schedule": 2}.get(why, True)
+    cache, tier, q, k, v = _one_step(dtype, certify=certify)
+    out, info = attend(q, cache.layer(0).update(k, v, q), causal=True)
+    assert info.kernel == "blocks", why
+    if why == "float64":
+        assert tier.last[0] is not None  # certified, and still computed: the certificate's output is float32
