@@ -168,3 +168,82 @@ def test_reads_the_certificate_does_not_cover_are_computed(why):
     assert info.kernel == "blocks", why
     if why == "float64":
         assert tier.last[0] is not None  # certified, and still computed: the certificate's output is float32
+
+
+def _twins(kind: str, q, k, v, *, causal: bool = False, chunks: int = 8):
+    """The same stream through an answered and a computed tier cache: per chunk and kernel, the
+    output's NaN rows, the log-sum-exp and whether the commit was taken (False: refused, and the
+    stream stops there)."""
+    seen = {}
+    for kernel in ("auto", "blocks"):
+        cache, _ = _build(kind, torch.float32, causal, recall=False)
+        rows = seen[kernel] = []
+        with torch.no_grad():
+            for c in range(chunks):
+                s = slice(c * C, (c + 1) * C)
+                cache.begin_tokens(C)
+                qc = q[:, s]  # one tensor: a slice taken twice is two
+                out, info = attend(qc, cache.layer(0).update(k[:, s], v[:, s], qc), causal=causal, kernel=kernel,
+                                   return_lse=True)
+                assert info.kernel == ("answered" if kernel == "auto" else "blocks"), (c, info.kernel)
+                try:
+                    cache.commit()
+                    taken = True
+                except ValueError:
+                    taken = False
+                rows.append((out.isnan().any(-1), info.lse, taken))
+                if not taken:
+                    break
+    return seen["auto"], seen["blocks"]
+
+
+def test_a_nan_query_row_reads_nan_in_its_row_only():
+    """A NaN query row reads NaN in that row, as a computed read does, and nothing later (the
+    certificate's reference output stays finite)."""
+    q, k, v = _stream(8 * C, torch.float32, seed=5)
+    q[0, 5 * C + 2, 1, 3] = math.nan
+    answered, computed = _twins("ring", q, k, v, causal=True)
+    for c, ((nan_a, _, _), (nan_c, _, _)) in enumerate(zip(answered, computed)):
+        assert torch.equal(nan_a, nan_c), c
+    assert int(answered[5][0].sum()) == 1 and not answered[6][0].any()
+
+
+def test_an_infinite_key_reads_and_refuses_as_a_computed_read():
+    """A key with a +inf component every query of its head sees: the log-sum-exp is +inf (a computed
+    read's is NaN or +inf; the certificate's own is -inf: it bounds nothing there), and TOVA
+    refuses the commit on the NaN statistics, as with a computed read."""
+    q, k, v = _stream(8 * C, torch.float32, seed=6)
+    k[0, 6 * C + 3, 1, 2] = math.inf
+    q[0, 6 * C:, :, 2] = q[0, 6 * C:, :, 2].abs() + 0.1
+    answered, computed = _twins("tova", q, k, v)
+    assert len(answered) == len(computed) == 7 and not answered[-1][2] and not computed[-1][2]
+    odd = lambda lse: lse.isnan() | lse.isposinf()  # noqa: E731 - NaN or +inf, as the kernel's arithmetic falls
+    assert odd(answered[-1][1][:, 2:4]).all() and odd(computed[-1][1][:, 2:4]).all()
+
+
+def test_a_nan_query_row_a_statistic_does_not_count_leaves_it_finite():
+    """SnapKV counts its newest rows only: a NaN in an older row of the span leaves its statistics
+    finite and the commit taken, as with a computed read."""
+    q, k, v = _stream(8 * C, torch.float32, seed=7)
+    q[0, 6 * C, 0, 0] = math.nan  # the span's first row: outside SnapKV's observation rows
+    answered, computed = _twins("snapkv", q, k, v)
+    assert [r[2] for r in answered] == [r[2] for r in computed] == [True] * 8
+
+
+def test_two_observers_adding_rows_are_not_answered_by_one():
+    """A second compressed tier adds rows the first one's certificate does not cover: the read is
+    computed (over tier 1 and both tiers' rows)."""
+    cache, tier = _build("tova", torch.float32, False, recall=False)
+    CompressedTier(cache, fmt="int8", capacity=32, block=8)
+    q, k, v = _stream(C, torch.float32)
+    cache.begin_tokens(C)
+    out, info = attend(q, cache.layer(0).update(k, v, q))
+    assert info.kernel == "blocks" and info.keys_read == cache.storage.slots + 2 * 32
+
+
+def test_a_tier_built_not_to_answer_computes_every_read():
+    cache, tier, q, k, v = _one_step(answer=False)
+    assert attend(q, cache.layer(0).update(k, v, q), causal=True)[1].kernel == "blocks"
+    assert tier.last[0] is not None
+    with pytest.raises(TypeError, match="answer must be a bool"):
+        _build("tova", torch.float32, True, answer=1)

@@ -203,7 +203,10 @@ class Observers:
         return any(obs.adds_segments for obs in self.members)
 
     def answer(self, layer: int, q: Tensor, **options: Any) -> ReadAnswer | None:
-        """The first answer an observer has for this read (:meth:`CacheObserver.answer`), or None."""
+        """The first answer an observer has for this read (:meth:`CacheObserver.answer`), or None;
+        None while two or more observers add rows (an answer covers its own rows only)."""
+        if sum(obs.adds_segments for obs in self.members) > 1:
+            return None
         for obs in self.members:
             if obs.answers_reads:
                 got = obs.answer(self.cache, layer, q, **options)

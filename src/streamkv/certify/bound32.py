@@ -204,7 +204,8 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     ``g`` on tier 1 (``f32 [B, H, rows, 1]``); last, with ``count [rows, 1]`` (1: the row counts,
     0: not), tier 1's weights normalised over tier 1 alone (``P / sum_1 P``, as a read's statistics:
     a policy ranks its slots as if tier 2 were not there) over the counted rows: their maximum and
-    sum per entry (``[B, H, S1]``), else None, None."""
+    sum per entry (``[B, H, S1]``), else None, None; and the rows' log-sum-exp as a read gives it
+    (NaN or +inf where a seen score is)."""
     f32 = torch.float32
     s1 = s1.masked_fill(hide1, -math.inf)
     s2 = s2.masked_fill(dead2, -math.inf)
@@ -245,10 +246,14 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     stat = (None, None)
     if count is not None:  # normalised over tier 1 alone, as a read's statistics (a row seeing none: 0)
         own = p1sum.unsqueeze(-1)
-        pc = p1 * torch.where(own > 0, count / own, 0.0)
+        pc = torch.where((count > 0) & (own > 0), p1 * (1.0 / own), 0.0)
         stat = (pc.amax(-2), pc.sum(-2))
+    # the log-sum-exp as a read gives it: NaN or +inf where a seen score is (the certificate's own
+    # is -inf there: it bounds nothing in such a row)
+    odd = torch.isnan(mb) | (mb == math.inf)
+    lse_read = torch.where(odd, mb.double(), lse.unsqueeze(-1)).squeeze(-1)
     return (e1, e2, W, *low_p, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
-            g0, *stat)
+            g0, *stat, lse_read)
 
 
 def _zeroth(x: Tensor, y: Tensor) -> Tensor:
@@ -292,7 +297,7 @@ def check_precision() -> None:
 
 
 def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref: Tensor | None = None,
-                 parts: bool = False, count: Tensor | None = None) -> tuple[Certificate, dict | None]:
+                 parts: bool = False, count: Tensor | None = None) -> tuple[Certificate, dict]:
     """The certificate of queries ``q [B, H, Q, D]`` over ``held`` (see the module docstring).
     ``top``: entries per head whose ``|u_j,c|`` is taken exactly (step 3: the entries of largest
     ``max_q p^_j Delta_j`` over each block of queries); ``ref [B, H, 1, Dv]``: step 3's reference
@@ -305,7 +310,9 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     (:func:`_weights`, compiled on the CPU) and its matrix products. With ``count [Q]`` (bool: the
     rows a scored policy's statistic counts) also ``key_max`` and ``key_sum`` ``[H, S1]``: the
     maximum and sum of tier 1's computed weights normalised over tier 1 (float32) over the counted
-    rows and the batch, the statistics a read of the same rows delivers (the returned dict holds them)."""
+    rows and the batch, the statistics a read of the same rows delivers. The returned dict holds
+    them, and always ``lse_read [B, H, Q]``: the log-sum-exp as a read gives it (NaN or +inf in a
+    row that sees such a score, where the certificate's is -inf)."""
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
@@ -328,6 +335,7 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     zeta = 2.1 * U32 * a_q + 4.1 * U32
     vlo_k, vhi_k = v.amin(-2).double(), v.amax(-2).double()  # [B, H, Dv]: over every row (a superset of the kept)
     ref = v.mean(-2, keepdim=True) if ref is None else ref.to(f32)  # the reference r_c [B, H, 1, Dv] (any is valid)
+    ref = torch.where(torch.isfinite(ref), ref, 0.0)  # a finite one: a NaN would spoil every output row
     vc = v - ref  # the rows centred on r (o_hat is computed as r + sum P (v - r): its rounding scales with |v - r|)
     vdev = vc.abs()  # |v_j,c - r_c| [B, H, S, Dv]
     gn = gamma32(S)
@@ -360,6 +368,7 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     n_rows = max(1, (BLOCK_ELEMENTS if q.device.type == "cpu" else 64 * BLOCK_ELEMENTS) // per_row)
     weights = _weights_kernel(qs, min(n_rows, Q) * per_row)
     key_max = key_sum = None
+    lse_read = q.new_empty((B, H, Q), dtype=f64)
     for a in range(0, Q, n_rows):
         b = min(Q, a + n_rows)
         n = b - a
@@ -370,8 +379,9 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
             da_b, db_b = (qg[..., a:b, :] @ dkt) * up_d, one
         hide1 = held.hide1 if held.hide1.shape[1] == 1 else held.hide1[:, a:b]
         cb = None if count is None else count[a:b].to(f32).unsqueeze(-1)
-        e1, e2, W, Wb, p1b, colmax, *got, g0, smax, ssum = weights(qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b,
-                                                                   eta2[..., a:b], consts, low, cb)
+        e1, e2, W, Wb, p1b, colmax, *got, g0, smax, ssum, lse_b = weights(
+            qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b, eta2[..., a:b], consts, low, cb)
+        lse_read[..., a:b] = lse_b
         if cb is not None:
             key_max = smax if key_max is None else torch.maximum(key_max, smax)
             key_sum = ssum if key_sum is None else key_sum + ssum
@@ -480,9 +490,9 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     error = torch.where(torch.isnan(error), math.inf, error)
     cert = Certificate(log_mass=log_m, mass=mass, error=error, gap=gap, lse_kept=lse, out_kept=out, log_zhat=log_z,
                        block_log_contrib=block3, out_error=eps_o, lse_error=e_l)
-    got = {}
+    got = {"lse_read": lse_read}
     if count is not None:
         got.update(key_max=key_max.amax(0), key_sum=key_sum.sum(0))
     if parts:
         got.update(entry=entry, block3=None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True))
-    return cert, (got or None)
+    return cert, got

@@ -105,12 +105,14 @@ _ANSWERED = (torch.bfloat16, torch.float16, torch.float32)
 class _Answer:
     """A certified step's read, kept for ``attend`` (:meth:`CompressedTier.answer`): the queries it is
     for (a weak reference, their version counter where they keep one), the lifecycle generation,
-    the certificate, the policy's statistic and its finished values (None: not asked)."""
+    the certificate, the rows' log-sum-exp as a read gives it, the policy's statistic and its
+    finished values (None: not asked)."""
 
     q: weakref.ref
     version: int | None
     generation: int
     cert: Certificate
+    lse: Tensor
     statistic: Any
     key_max: Tensor | None
     key_sum: Tensor | None
@@ -139,11 +141,14 @@ class CompressedTier(CacheObserver):
         certify: ``True`` every step, ``False`` none, or an int ``k >= 1``: the steps of every
             ``k``-th span (see the module docstring); recall needs certificates.
         top: entries per query whose output deviation the certificate takes exactly.
+        answer: answer a certified step's read from its certificate (:meth:`answer`); False: every
+            read is computed (for queries changed in place after the update by a path their
+            version counter does not see).
     """
 
     def __init__(self, cache: KVCache, *, fmt: str = "int8", group: int | None = None, capacity: int,
                  block: int = 16, recall_tau: float | None = None, causal: bool = False,
-                 scale: float | None = None, certify: bool | int = True, top: int = 16) -> None:
+                 scale: float | None = None, certify: bool | int = True, top: int = 16, answer: bool = True) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
         st = cache.storage
@@ -161,6 +166,9 @@ class CompressedTier(CacheObserver):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
         self.certify = certify  # checked by the setter
         self.top = check_int("top", top, 0)
+        if not isinstance(answer, bool):
+            raise TypeError(f"answer must be a bool, got {type(answer).__name__} {answer!r}")
+        self.answers_reads = answer
         if recall_tau is not None and certify is False:
             raise ValueError("recall plans from the certificate: recall_tau needs certify=True (or an int)")
         if recall_tau is not None:
@@ -651,8 +659,8 @@ class CompressedTier(CacheObserver):
         self.last[layer] = cert
         if answers:
             kmax, ksum = (None, None) if stat is None else self._finish(layer, stat, cert, count, got)
-            self._answers[layer] = _Answer(weakref.ref(q), _version(q), cache.lifecycle.generation, cert, stat,
-                                           kmax, ksum)
+            self._answers[layer] = _Answer(weakref.ref(q), _version(q), cache.lifecycle.generation, cert,
+                                           got["lse_read"], stat, kmax, ksum)
         self._stats["certify_seconds"] += time.perf_counter() - t0
 
     def _counted(self, q: Tensor, stat) -> Tensor:
@@ -671,7 +679,7 @@ class CompressedTier(CacheObserver):
         if stat.newest and qpos is not None and qpos.numel():
             newest = torch.zeros((H, slots + 1), dtype=torch.bool, device=qpos.device)
             newest[:, :slots] = self.storage.layer_positions(layer) >= qpos[:1]
-        poisoned = stat.poisoned(torch.where(count, cert.lse_kept, 0.0), H, 1)  # the counted rows' (no host read)
+        poisoned = stat.poisoned(torch.where(count, got["lse_read"], 0.0), H, 1)  # the counted rows' (no host read)
         out = []
         for name in ("max", "sum"):
             x = got[f"key_{name}"]
@@ -690,7 +698,12 @@ class CompressedTier(CacheObserver):
         one: an inference tensor keeps none, so change it by making a new one), in the same
         lifecycle generation with no write since, the tier's ``scale`` and ``causal``, no window,
         the statistic the policy declared, queries of 16 or 32 bits (a float64 read is computed: the
-        certificate's output is float32-accurate) and no gradient asked of them."""
+        certificate's output is float32-accurate) and no gradient asked of them. A tensor changed in
+        place after the update by a path its version counter does not see (``.data``, a NumPy view,
+        an inference tensor or its base) is not told: its read is answered for the values the step
+        certified (build the tier with ``answer=False`` to compute every read). A row whose scores
+        hold NaN or +inf reads as a computed read's does (output NaN; log-sum-exp NaN or +inf; its
+        head's statistics NaN, refused at the commit)."""
         a = self._answers[layer]
         if a is None or a.q() is not q or a.version != _version(q) or a.generation != cache.lifecycle.generation:
             return None
@@ -700,7 +713,7 @@ class CompressedTier(CacheObserver):
             return None
         G = q.shape[2] // self.H
         out = unfold_groups(a.cert.out_kept.to(q.dtype), G, 1)
-        lse_out = unfold_groups(a.cert.lse_kept.float().unsqueeze(-1), G, 1).squeeze(-1) if lse else None
+        lse_out = unfold_groups(a.lse.float().unsqueeze(-1), G, 1).squeeze(-1) if lse else None
         return ReadAnswer(out=out, lse=lse_out, key_max=a.key_max, key_sum=a.key_sum,
                           keys=self.storage.slots + self.M,
                           why="the compressed tier's certificate computed this read (tiers 1 and 2, float32 products; "
@@ -731,14 +744,15 @@ class CompressedTier(CacheObserver):
         return bound
 
     def certificate(self, layer: int, q: Tensor, parts: bool = False, count: Tensor | None = None
-                    ) -> tuple[Certificate, dict | None]:
+                    ) -> tuple[Certificate, dict]:
         """The certificate of ``q`` (the open span's queries) over ``layer`` now: kept = tier 1
         and the live tier-2 entries, evicted = tier 3 (:func:`~.bound32.certify_tier`). With
         ``parts`` also what the recall plan ranks by; with ``count`` tier 1's statistics."""
         qh, held = self.held_state(layer, q)
         cert, got = certify_tier(qh, held, scale=self.scale, top=self.top, ref=self._ref[layer], parts=parts,
                                  count=count)
-        self._ref[layer] = cert.out_kept.mean(-2, keepdim=True).float()
+        ref = cert.out_kept.mean(-2, keepdim=True).float()
+        self._ref[layer] = torch.where(torch.isfinite(ref), ref, 0.0)  # a NaN row must not spoil the next step
         return cert, got
 
     # ------------------------------------------------------------------ recall
