@@ -321,7 +321,10 @@ def render_chart(d):
              ("ring/bf16/tokens:1/4", "tova/bf16/tokens:1/4", "tova/int8/tokens:1/4", "tier/int8/bytes:1/4")
              if (shape, k) in by]
     glance = f"time per chunk (attention + cache work) at a quarter of the memory, against the full cache ({shape})"
-    number = "; ".join(parts) + " the full cache's time (CPU, eager; the tier without its certificates)"
+    number = "; ".join(parts) + " the full cache's time"
+    certified = by.get((shape, "tier+certificates/int8/bytes:1/4"))
+    number += (" (CPU, eager; the tier without its certificates" +
+               (f", {certified['ratio_to_full']:.2f}x with them)" if certified is not None else ")"))
     return "\n".join(out), glance, number
 
 

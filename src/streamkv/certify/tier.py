@@ -97,6 +97,7 @@ from .certifier import check_reopen, claim_unevicted, release
 __all__ = ["CompressedTier"]
 
 _BOX_STEP = 8  # tier-3 blocks allocated at a time per (layer, head)
+_NONE = torch.iinfo(torch.long).max  # a slot that nothing left
 #: query dtypes whose reads the certificate answers (its output is float32-accurate: a float64 read is computed)
 _ANSWERED = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -121,7 +122,6 @@ class _Answer:
 def _version(t: Tensor) -> int | None:
     """``t``'s version counter (None: an inference tensor keeps none)."""
     return None if t.is_inference() else t._version
-_NONE = torch.iinfo(torch.long).max  # a slot that nothing left
 
 
 class CompressedTier(CacheObserver):
@@ -686,8 +686,6 @@ class CompressedTier(CacheObserver):
             out.append(stat.finish(torch.cat([x, x.new_zeros((H, 1))], -1), slots, poisoned, newest)
                        if name in stat.reduce else None)
         return tuple(out)
-
-    answers_reads = True
 
     def answer(self, cache: KVCache, layer: int, q: Tensor, *, scale: float, causal: bool, window: int | None,
                statistic: Any, lse: bool) -> ReadAnswer | None:

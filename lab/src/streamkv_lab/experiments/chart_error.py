@@ -16,8 +16,9 @@ cache holds every token of the stream: nothing evicted) at the same budget as wh
 rounded to it, as the timed caches are), and the stream replayed through it span by span
 (``update(k, v, q)``, ``attend``); every layer's output is compared with float64 attention over
 the whole history of the same inputs (the per-layer error given the layer's true inputs, as
-``certify --real`` measures it). ``tier+certificates`` attends what ``tier`` attends (no recall:
-the certificate changes no output), so it reports the same error.
+``certify --real`` measures it). ``tier+certificates`` holds what ``tier`` holds (no recall), but
+its reads are answered from the certificate (the float32 attention it bounds, rounded once) and
+its policy's statistics come from the certificate's weights, so it is replayed and measured itself.
 """
 
 from __future__ import annotations
@@ -96,14 +97,9 @@ def stream_errors(stream: Any, rows: Sequence[Row], *, sink: int, unit: int,
     geo = Geometry(full=T // unit * unit, sink=sink, span=stream.chunk, unit=unit, heads=H, head_dim=D,
                    layers=stream.layers)
     out: dict[str, dict[str, Any]] = {}
-    done: dict[str, dict[str, Any]] = {}
     for row in rows:
         rec: dict[str, Any] = {**row.to_dict()}
         out[row.key] = rec
-        same = row.key.replace("tier+certificates/", "tier/") if row.cache == "tier+certificates" else None
-        if same is not None and same in done:
-            rec.update(done[same], same_as=same)
-            continue
         say(f"chart errors: {row.key}")
         try:
             cache, tier, caps = build_row_cache(row, geo, causal=stream.causal, scale=stream.scale)
@@ -116,6 +112,5 @@ def stream_errors(stream: Any, rows: Sequence[Row], *, sink: int, unit: int,
                "tokens": caps["capacity"] + caps.get("tier2", 0), "full_bytes": geo.full_bytes}
         got["bytes_ratio_to_full"] = got["bytes"] / geo.full_bytes
         rec.update(got)
-        done[row.key] = got
     return {"stream": stream.info, "tokens": T, "span": stream.chunk, "sink": sink, "layers": stream.layers,
             "causal": stream.causal, "rows": out}
