@@ -25,9 +25,10 @@ The bound, step by step (each inequality with the reason it holds):
 
    because ``x -> q_i x`` is linear, so on the interval ``[lo_b,i, hi_b,i]`` it is largest at
    an endpoint (and ``scale > 0``). Computed as ``U_b = scale * (q . c_b + |q| . r_b)`` with
-   centre ``c = (lo + hi) / 2`` and radius ``r = (hi - lo) / 2``: the identity
-   ``max(a lo, a hi) = a c + |a| r`` holds for every real ``a`` when ``lo <= hi``, and turns the
-   bound into two matrix products.
+   centre ``c = (lo + hi) / 2`` and radius ``r = |hi - lo| / 2``: the identity
+   ``max(a lo, a hi) = a c + |a| r`` holds for every real ``a`` and either order of the ends (the
+   order is not checked: that would read the device), and turns the bound into two matrix
+   products.
 2. **Evicted partition bound.** ``Z_D = sum_b sum_{j in b} exp(s_j) <= sum_b n_b exp(U_b)
    =: Z_hat`` by 1 and monotonicity of ``exp``. Computed as ``log Z_hat = logsumexp_b(U_b +
    log n_b)`` (empty blocks, ``n_b = 0``, contribute ``-inf``).
@@ -38,7 +39,9 @@ The bound, step by step (each inequality with the reason it holds):
    so ``vlo_c <= o_D,c <= vhi_c`` and ``|o_D,c - o_K,c| <= max(vhi_c - o_K,c, o_K,c - vlo_c)
    =: gap_c`` (if ``o_D,c >= o_K,c`` the left side is at most ``vhi_c - o_K,c``, else at most
    ``o_K,c - vlo_c``; ``gap_c >= 0`` since the two terms sum to ``vhi_c - vlo_c >= 0``). With
-   3: ``|o_c - o_K,c| = m |o_D,c - o_K,c| <= m_hat * gap_c``.
+   3: ``|o_c - o_K,c| = m |o_D,c - o_K,c| <= m_hat * gap_c``. Computed as ``max(|vhi_c - o_K,c|,
+   |o_K,c - vlo_c|)``: the same for ``vlo <= vhi`` (the smaller term is at most the larger's
+   absolute value), and the gap of the box between the ends given in the other order.
 
 Where it is loose (measured by the experiments, see :mod:`streamkv.certify.experiment`):
 step 1 is exact for a block of one token (``lo = hi = k``), and for any block whose
