@@ -23,7 +23,7 @@ from streamkv.attention import attend
 from streamkv.certify.tier import CompressedTier
 from streamkv.policies import example_policy
 
-from kinds import SCORED
+from kinds import QUERY_SCORED, SCORED
 
 B, H, G, D, C = 1, 2, 2, 16, 8
 SINK, WINDOW, RECALL = 2, 2 * C + 6, 16
@@ -173,10 +173,11 @@ def test_reads_the_certificate_does_not_cover_are_computed(why):
 def _twins(kind: str, q, k, v, *, causal: bool = False, chunks: int = 8):
     """The same stream through an answered and a computed tier cache: per chunk and kernel, the
     output's NaN rows, the log-sum-exp and whether the commit was taken (False: refused, and the
-    stream stops there)."""
-    seen = {}
+    stream stops there); the two end holding the same positions."""
+    seen, caches = {}, []
     for kernel in ("auto", "blocks"):
         cache, _ = _build(kind, torch.float32, causal, recall=False)
+        caches.append(cache)
         rows = seen[kernel] = []
         with torch.no_grad():
             for c in range(chunks):
@@ -194,6 +195,7 @@ def _twins(kind: str, q, k, v, *, causal: bool = False, chunks: int = 8):
                 rows.append((out.isnan().any(-1), info.lse, taken))
                 if not taken:
                     break
+    assert torch.equal(caches[0].slot_positions, caches[1].slot_positions)  # the same evictions throughout
     return seen["auto"], seen["blocks"]
 
 
@@ -247,3 +249,48 @@ def test_a_tier_built_not_to_answer_computes_every_read():
     assert tier.last[0] is not None
     with pytest.raises(TypeError, match="answer must be a bool"):
         _build("tova", torch.float32, True, answer=1)
+
+
+@pytest.mark.parametrize("case", ["nan query row", "nan key", "inf key in tier 2"])
+@pytest.mark.parametrize("kind", QUERY_SCORED)
+def test_non_finite_scores_reach_the_statistics_as_in_a_computed_read(kind, case):
+    """Statistics are a read's: tier 1 normalised by its own maximum. A NaN score a counted row sees
+    makes the head's statistics NaN and the commit refused, as a computed read's; a key that turns
+    NaN only in tier 2 (a +inf component every query scores -inf, quantised) leaves tier 1's
+    statistics finite, as a computed read's. The same chunks commit, the same positions stay."""
+    q, k, v = _stream(10 * C, torch.float32, seed=2)
+    if case == "nan query row":
+        q[0, 6 * C - 1, 1, 0] = math.nan  # chunk 5's last row: counted by every statistic
+    elif case == "nan key":
+        k[0, 5 * C + 2, 1, 4] = math.nan
+    else:
+        k[0, 6 * C + 3, 1, 2] = math.inf
+        q[:, 6 * C:, :, 2] = -(q[:, 6 * C:, :, 2].abs() + 0.1)
+    answered, computed = _twins(kind, q, k, v, chunks=10)
+    assert [r[2] for r in answered] == [r[2] for r in computed]
+    assert (len(answered) == 10) == (case == "inf key in tier 2")
+
+
+def test_a_row_that_sees_only_minus_infinity_reads_zero():
+    """A causal first row whose one visible key scores -inf: the answer is 0, as a computed read's
+    (not the certificate's reference vector), and its log-sum-exp -inf (float64's)."""
+    q, k, v = _stream(C, torch.float32, seed=8)
+    k[0, 0, :, 1] = math.inf  # the stream's first key, the first row's only one ...
+    q[0, 0, :, 1] = -1.0  # ... scored -inf by it
+    cache, tier = _build("tova", torch.float32, True, recall=False)
+    cache.begin_tokens(C)
+    out, info = attend(q, cache.layer(0).update(k, v, q), causal=True, return_lse=True)
+    assert info.kernel == "answered"
+    assert not out[0, 0].any() and info.lse[0, :, 0].isneginf().all()
+    assert out[0, 1:].isfinite().any()  # the later rows see a key they can weigh
+
+
+def test_a_margin_is_a_bound_or_infinite_never_nan():
+    """A NaN key spoils its head's magnitudes: the certificate's output and log-sum-exp margins read
+    +inf there (a NaN is no bound), and the other head keeps finite ones."""
+    cache, tier, q, k, v = _one_step()
+    k[0, 2, 1, 3] = math.nan  # key head 1
+    attend(q, cache.layer(0).update(k, v, q), causal=True)
+    cert = tier.last[0]
+    for margin in (cert.out_error, cert.lse_error):
+        assert not margin.isnan().any() and margin[:, 1].isposinf().all() and margin[:, 0].isfinite().all()

@@ -202,10 +202,10 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     ``p^_j Delta_j``) and per row: ``lse, inv`` (float64 ``1 / S_hat``), the sums of ``w1, w2,
     w3, wg``, ``Lam, Lam_lo``, the largest ``Delta``, ``kappa``, the underflow allowance, and
     ``g`` on tier 1 (``f32 [B, H, rows, 1]``); last, with ``count [rows, 1]`` (1: the row counts,
-    0: not), tier 1's weights normalised over tier 1 alone (``P / sum_1 P``, as a read's statistics:
-    a policy ranks its slots as if tier 2 were not there) over the counted rows: their maximum and
-    sum per entry (``[B, H, S1]``), else None, None; and the rows' log-sum-exp as a read gives it
-    (NaN or +inf where a seen score is)."""
+    0: not), tier 1's weights normalised over tier 1 alone, as a read's statistics (a policy ranks
+    its slots as if tier 2 were not there), over the counted rows: their maximum and sum per entry
+    (``[B, H, S1]``) and the rows' log-sum-exp over tier 1 (``[B, H, rows]``), else three None; and
+    the rows' log-sum-exp as a read gives it (NaN or +inf where a seen score is)."""
     f32 = torch.float32
     s1 = s1.masked_fill(hide1, -math.inf)
     s2 = s2.masked_fill(dead2, -math.inf)
@@ -243,15 +243,20 @@ def _weights(s1: Tensor, hide1: Tensor, s2: Tensor, dead2: Tensor, da: Tensor, d
     wgsum = (p1sum * g0.squeeze(-1) + wg.sum(-1)).double()
     W = torch.cat([w1, w2, w3, wg], -2)
     low_p = (W.to(torch.bfloat16), p1.to(torch.bfloat16)) if low else (None, None)
-    stat = (None, None)
-    if count is not None:  # normalised over tier 1 alone, as a read's statistics (a row seeing none: 0)
-        own = p1sum.unsqueeze(-1)
-        pc = torch.where((count > 0) & (own > 0), p1 * (1.0 / own), 0.0)
-        stat = (pc.amax(-2), pc.sum(-2))
+    stat = (None, None, None)
+    if count is not None:
+        # a read's statistics: tier 1 normalised alone, by its own maximum (a NaN or +inf score
+        # spoils its row as in a read, a row that sees no tier-1 slot gives 0, tier 2 plays no part)
+        m1 = s1.amax(-1, keepdim=True)
+        m1 = torch.where(torch.isfinite(m1), m1, 0.0)
+        f1 = torch.exp(s1 - m1)
+        own = f1.sum(-1, keepdim=True)
+        pc = torch.where((count > 0) & (own != 0), f1 / own, 0.0)
+        stat = (pc.amax(-2), pc.sum(-2), (m1 + torch.log(own)).squeeze(-1).double())
     # the log-sum-exp as a read gives it: NaN or +inf where a seen score is (the certificate's own
     # is -inf there: it bounds nothing in such a row)
     odd = torch.isnan(mb) | (mb == math.inf)
-    lse_read = torch.where(odd, mb.double(), lse.unsqueeze(-1)).squeeze(-1)
+    lse_read = torch.where(odd, mb.double(), lse.unsqueeze(-1)).squeeze(-1)  # [B, H, rows]
     return (e1, e2, W, *low_p, w1.amax(-2), lse, inv, w1sum, w2sum, w3sum, wgsum, lam_b, lam_lo, dmax, kappa, under,
             g0, *stat, lse_read)
 
@@ -310,9 +315,10 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     (:func:`_weights`, compiled on the CPU) and its matrix products. With ``count [Q]`` (bool: the
     rows a scored policy's statistic counts) also ``key_max`` and ``key_sum`` ``[H, S1]``: the
     maximum and sum of tier 1's computed weights normalised over tier 1 (float32) over the counted
-    rows and the batch, the statistics a read of the same rows delivers. The returned dict holds
-    them, and always ``lse_read [B, H, Q]``: the log-sum-exp as a read gives it (NaN or +inf in a
-    row that sees such a score, where the certificate's is -inf)."""
+    rows and the batch, the statistics a read of the same rows delivers, and ``lse_own [B, H, Q]``,
+    the rows' log-sum-exp over tier 1 (what a read tells a poisoned head by). The returned dict
+    holds them, and always ``lse_read [B, H, Q]``: the log-sum-exp as a read gives it (NaN or +inf
+    in a row that sees such a score, where the certificate's is -inf)."""
     B, H, Q, D = q.shape
     f32, f64 = torch.float32, torch.float64
     S1, M = held.k1.shape[-2], held.k2.shape[-2]
@@ -369,6 +375,7 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     weights = _weights_kernel(qs, min(n_rows, Q) * per_row)
     key_max = key_sum = None
     lse_read = q.new_empty((B, H, Q), dtype=f64)
+    lse_own = None if count is None else q.new_empty((B, H, Q), dtype=f64)
     for a in range(0, Q, n_rows):
         b = min(Q, a + n_rows)
         n = b - a
@@ -379,12 +386,13 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
             da_b, db_b = (qg[..., a:b, :] @ dkt) * up_d, one
         hide1 = held.hide1 if held.hide1.shape[1] == 1 else held.hide1[:, a:b]
         cb = None if count is None else count[a:b].to(f32).unsqueeze(-1)
-        e1, e2, W, Wb, p1b, colmax, *got, g0, smax, ssum, lse_b = weights(
+        e1, e2, W, Wb, p1b, colmax, *got, g0, smax, ssum, lse1, lse_b = weights(
             qb @ k1t, hide1, qb @ k2t, dead2, da_b, db_b, eta2[..., a:b], consts, low, cb)
         lse_read[..., a:b] = lse_b
-        if cb is not None:
+        if cb is not None:  # maximum and sum both carry a NaN on
             key_max = smax if key_max is None else torch.maximum(key_max, smax)
             key_sum = ssum if key_sum is None else key_sum + ssum
+            lse_own[..., a:b] = lse1
         inv = got[1]
         inv_all[..., a:b, :] = inv
         for dst, x in zip(rows, got[:1] + got[2:]):
@@ -488,11 +496,13 @@ def certify_tier(q: Tensor, held: TierHeld, *, scale: float, top: int = 16, ref:
     gap = torch.where(torch.isnan(gap), math.inf, gap)
     error = (mass.unsqueeze(-1) * gap + err_k + eps_o) * (1.0 + _F64)
     error = torch.where(torch.isnan(error), math.inf, error)
+    # a margin is a bound or +inf, never NaN (a non-finite input spoils a head's magnitudes)
+    eps_o, e_l = (torch.where(torch.isnan(x), math.inf, x) for x in (eps_o, e_l))
     cert = Certificate(log_mass=log_m, mass=mass, error=error, gap=gap, lse_kept=lse, out_kept=out, log_zhat=log_z,
                        block_log_contrib=block3, out_error=eps_o, lse_error=e_l)
     got = {"lse_read": lse_read}
     if count is not None:
-        got.update(key_max=key_max.amax(0), key_sum=key_sum.sum(0))
+        got.update(key_max=key_max.amax(0), key_sum=key_sum.sum(0), lse_own=lse_own)
     if parts:
         got.update(entry=entry, block3=None if block3 is None else block3.exp() * gap.amax(-1, keepdim=True))
     return cert, got

@@ -679,7 +679,7 @@ class CompressedTier(CacheObserver):
         if stat.newest and qpos is not None and qpos.numel():
             newest = torch.zeros((H, slots + 1), dtype=torch.bool, device=qpos.device)
             newest[:, :slots] = self.storage.layer_positions(layer) >= qpos[:1]
-        poisoned = stat.poisoned(torch.where(count, got["lse_read"], 0.0), H, 1)  # the counted rows' (no host read)
+        poisoned = stat.poisoned(torch.where(count, got["lse_own"], 0.0), H, 1)  # the counted rows' (no host read)
         out = []
         for name in ("max", "sum"):
             x = got[f"key_{name}"]
@@ -710,7 +710,9 @@ class CompressedTier(CacheObserver):
         if q.requires_grad and torch.is_grad_enabled():  # the certificate's output carries no gradient to q
             return None
         G = q.shape[2] // self.H
-        out = unfold_groups(a.cert.out_kept.to(q.dtype), G, 1)
+        # a row that sees no key (or only scores of -inf) reads 0, as a computed read's
+        out = torch.where((a.lse == -math.inf).unsqueeze(-1), 0.0, a.cert.out_kept)
+        out = unfold_groups(out.to(q.dtype), G, 1)
         lse_out = unfold_groups(a.lse.float().unsqueeze(-1), G, 1).squeeze(-1) if lse else None
         return ReadAnswer(out=out, lse=lse_out, key_max=a.key_max, key_sum=a.key_sum,
                           keys=self.storage.slots + self.M,
